@@ -1,0 +1,22 @@
+"""Optional GPU dependencies, imported only when a recipe asks for them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+class MissingExtraError(ImportError):
+    """A recipe needs an optional package that is not installed."""
+
+
+def require_extra(module: str, feature: str, *, extra: str = "gpu") -> ModuleType:
+    """Import ``module`` or fail with a message naming the extra that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(
+            f"{feature} needs the '{module}' package, which is not installed. "
+            f"Install the '{extra}' extra: pip install 'megatron-gspo[{extra}]' "
+            f"(on a machine with CUDA)."
+        ) from e

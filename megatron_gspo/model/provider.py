@@ -1,0 +1,145 @@
+"""Builds the Qwen3-style Megatron-Core ``GPTModel`` (dense or MoE) from a recipe."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_gspo.config import ModelConfig, ParallelConfig, PrecisionConfig
+from megatron_gspo.extras import require_extra
+from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse a layout that does not divide the model, naming the offending pair."""
+    tp = parallel.tensor_model_parallel_size
+    checks = [
+        ("num_attention_heads", model.num_attention_heads, "tensor_model_parallel_size", tp),
+        ("num_query_groups", model.num_query_groups, "tensor_model_parallel_size", tp),
+        ("vocab_size", model.vocab_size, "tensor_model_parallel_size", tp),
+        (
+            "num_layers",
+            model.num_layers,
+            "pipeline_model_parallel_size",
+            parallel.pipeline_model_parallel_size,
+        ),
+    ]
+    if model.is_moe:
+        checks.append(
+            (
+                "num_experts",
+                model.num_experts,
+                "expert_model_parallel_size",
+                parallel.expert_model_parallel_size,
+            )
+        )
+    for name, value, pname, pvalue in checks:
+        if value % pvalue:
+            raise ValueError(f"model.{name}={value} is not divisible by parallel.{pname}={pvalue}")
+    if model.is_moe and tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel must be true for MoE models with "
+            "tensor_model_parallel_size > 1 (Megatron-Core requires it for MoE layers)"
+        )
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig = PrecisionConfig(),
+    *,
+    use_te: bool | None = None,
+) -> TransformerConfig:
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if precision.fp8 and not use_te:
+        require_extra("transformer_engine", "FP8 training (precision.fp8)", extra="gpu")
+    check_layout(model, parallel)
+    on_gpu = torch.cuda.is_available()
+    params_dtype = torch.bfloat16 if precision.bf16 else _DTYPES[model.params_dtype]
+    moe = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_topk=model.moe_router_topk,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss",
+            # Softmax over the top-k logits equals Qwen3's softmax-then-renormalize routing.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=False,
+            moe_router_dtype="fp32",
+            # alltoall needs CUDA streams; allgather runs everywhere.
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_grouped_gemm=use_te,
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size or model.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=precision.bf16,
+        fp8=precision.fp8,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need apex or Transformer Engine kernels.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # GSPO normalizes by the global number of sequences; the loss function returns that
+        # count and Megatron divides the summed gradients by it (see finalize_model_grads).
+        calculate_per_token_loss=True,
+        **moe,
+    )
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig = PrecisionConfig(),
+    *,
+    use_te: bool | None = None,
+) -> GPTModel:
+    """The policy's stage for this rank; parallel state must already be initialized."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    config = transformer_config(model, parallel, precision, use_te=use_te)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, use_te=use_te, pp_rank=pp_rank),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+    )

@@ -1,0 +1,106 @@
+"""Let the real Megatron-Core run on a machine without CUDA.
+
+Megatron-Core assumes a GPU in a few scattered places: tensors created with ``device="cuda"``,
+``torch.cuda.current_device()`` used as a device, the CUDA RNG state behind its RNG tracker,
+``torch.cuda.synchronize()`` in the pipeline p2p code, and one name (``te_general_gemm``) that
+the MoE router reads without defining it when Transformer Engine is missing. On a CPU-only
+machine :func:`enable_cpu_platform` redirects exactly these to the CPU, so tests and the embedded
+recipe exercise Megatron's own model, router, expert dispatch and pipeline schedule rather than
+a re-implementation. With CUDA available it does nothing.
+
+It is applied in one place, :func:`megatron_gspo.parallel.setup.init_parallel`, and is
+idempotent. What it changes is process-wide (a torch function mode on the stack and a handful of
+patched attributes), which is why callers never apply it themselves. The measurements behind the
+list of redirections are in ``shared/facts/cpu-megatron.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_platform", "cpu_platform_active"]
+
+_CPU = torch.device("cpu")
+_MODE: _CudaToCpuMode | None = None
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    # A bare integer is how Megatron spells "the current CUDA device" (torch.cuda.current_device).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU in every torch call made while it is active.
+
+    One mode covers the ~60 ``device="cuda"`` sites in megatron/core instead of patching each.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_get_state(device: object = None, clone: bool = False, graph_safe: bool = False):
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def cpu_platform_active() -> bool:
+    return _MODE is not None
+
+
+def enable_cpu_platform() -> bool:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU; returns whether it did anything."""
+    global _MODE
+    if torch.cuda.is_available():
+        return False
+    if _MODE is not None:
+        return True
+
+    # The RNG tracker forks the "CUDA" generator around tensor-parallel regions (dropout,
+    # initialization); on the CPU the default CPU generator plays that role.
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_rng_get_state
+    mrandom._set_cuda_rng_state = _cpu_rng_set_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which must stay lazy.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = _noop
+
+    # Referenced by the router when Transformer Engine is absent, but only imported with it.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # Megatron's RNG tracker warns on every fork that the CPU state moved, which on this
+    # platform is the point of the fork; keep the log readable.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    return True
