@@ -41,7 +41,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600
+) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be importable (module level) and its result picklable; tensors come back on CPU.

@@ -51,10 +51,11 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
-    precision: PrecisionConfig = PrecisionConfig(),
+    precision: PrecisionConfig | None = None,
     *,
     use_te: bool | None = None,
 ) -> TransformerConfig:
+    precision = precision or PrecisionConfig()
     if use_te is None:
         use_te = transformer_engine_available()
     if precision.fp8 and not use_te:
@@ -123,7 +124,7 @@ def transformer_config(
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
-    precision: PrecisionConfig = PrecisionConfig(),
+    precision: PrecisionConfig | None = None,
     *,
     use_te: bool | None = None,
 ) -> GPTModel:

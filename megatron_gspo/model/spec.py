@@ -21,9 +21,7 @@ def _with_local_norms(layer: ModuleSpec) -> ModuleSpec:
     attn = layer.submodules.self_attention
     attn = dataclasses.replace(
         attn,
-        submodules=dataclasses.replace(
-            attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm
-        ),
+        submodules=dataclasses.replace(attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm),
     )
     return dataclasses.replace(
         layer,

@@ -46,7 +46,10 @@ def _init_default_group() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
     if torch.cuda.is_available():
