@@ -92,10 +92,17 @@ class PrecisionConfig(_Section):
     fp8: Literal["hybrid", "e4m3"] | None = None
 
 
+class RolloutConfig(_Section):
+    """How responses are sampled: the embedded engine or a vLLM service."""
+
+    engine: Literal["local", "vllm"] = "local"
+
+
 class Recipe(_Section):
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
 
 class RecipeError(ValueError):

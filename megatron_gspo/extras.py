@@ -20,3 +20,11 @@ def require_extra(module: str, feature: str, *, extra: str = "gpu") -> ModuleTyp
             f"Install the '{extra}' extra: pip install 'megatron-gspo[{extra}]' "
             f"(on a machine with CUDA)."
         ) from e
+
+
+def check_recipe_extras(recipe) -> None:
+    """Fail early, before any process group exists, when a recipe needs a missing extra."""
+    if recipe.precision.fp8:
+        require_extra("transformer_engine", f"FP8 training (precision.fp8={recipe.precision.fp8})")
+    if recipe.rollout.engine == "vllm":
+        require_extra("vllm", "The vLLM rollout engine (rollout.engine=vllm)")
