@@ -75,7 +75,9 @@ def _parallel(rank, world, cfg, layout, weights, tokens, num_microbatches):
 
         def loss_func(logits):
             loss = _sum_token_ce(logits, batch)
-            return loss, torch.tensor(1), {"loss": loss.detach()}
+            # Megatron averages over micro-batches and data-parallel ranks; undo it for a sum.
+            scale = num_microbatches * groups.dp_size
+            return loss * scale, torch.tensor(1), {"loss": loss.detach()}
 
         return out, loss_func
 

@@ -114,9 +114,11 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        # GSPO normalizes by the global number of sequences; the loss function returns that
-        # count and Megatron divides the summed gradients by it (see finalize_model_grads).
-        calculate_per_token_loss=True,
+        # Megatron then averages each micro-batch's loss over micro-batches and data-parallel
+        # ranks, and scales the router's aux loss the same way. The GSPO step multiplies its
+        # loss by (DP x CP x micro-batches / global sequences) so the result is the global
+        # per-sequence mean, while the aux loss keeps Megatron's mean (see train_step.py).
+        calculate_per_token_loss=False,
         **moe,
     )
 
