@@ -193,8 +193,12 @@ def token_logprobs(
             memory independently of the number of tokens.
 
     Returns:
-        ``logprobs`` of shape ``logits.shape[:-1]`` in fp32, or ``(logprobs, entropy)``. Both are
-        differentiable; the gradient wrt ``logits`` comes back in the logits' dtype.
+        ``logprobs`` of shape ``logits.shape[:-1]`` in fp32 (fp64 for fp64 logits), or
+        ``(logprobs, entropy)``. Both are differentiable; the gradient wrt ``logits`` comes back
+        in the logits' dtype.
+
+    Pass the logits in the layout they come in (e.g. Megatron's ``[s, b, V_local]``, with the
+    targets transposed to ``[s, b]``): a non-contiguous view would be copied by the reshape.
 
     Forward performs one MAX and one SUM all-reduce over ``tp_group`` (on ``[N]`` and
     ``[2 or 3, N]`` fp32 tensors); backward performs none.
