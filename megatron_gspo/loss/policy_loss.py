@@ -8,7 +8,7 @@ returns ``(loss, metrics)``. Two layouts share one implementation:
   ``cu_seqlens`` ``[B + 1]`` and ``[B]`` advantages (or ``[total_tokens]`` where token-level
   advantages are allowed). On the same data both give the same loss, gradient and metrics.
 
-Conventions (see ``docs`` in each function too):
+Conventions (each function's docstring adds its own details):
 
 - Normalisation: the loss is ``-(1/N) * sum over sequences``, ``N = num_sequences``, which the
   trainer sets to the number of sequences of the *global* batch (all micro-batches, all
