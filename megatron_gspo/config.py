@@ -92,6 +92,65 @@ class PrecisionConfig(_Section):
     fp8: Literal["hybrid", "e4m3"] | None = None
 
 
+class MemoryConfig(_Section):
+    """Megatron-Core's activation-memory knobs, passed through to its TransformerConfig."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
+    # With selective recompute: which submodules, e.g. ["core_attn", "moe_act", "layernorm"].
+    recompute_modules: list[str] | None = None
+    # Shard optimizer states (and fp32 master weights) over data-parallel ranks.
+    use_distributed_optimizer: bool = True
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> MemoryConfig:
+        if self.recompute_granularity == "full" and (
+            self.recompute_method is None or self.recompute_num_layers is None
+        ):
+            raise ValueError(
+                "recompute_granularity=full needs recompute_method and recompute_num_layers"
+            )
+        return self
+
+
+class LossConfig(_Section):
+    """The policy loss (see megatron_gspo.loss). Clip ranges default to each loss's own."""
+
+    name: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    eps_low: float | None = None
+    eps_high: float | None = None
+    max_log_ratio: float = 20.0
+    advantage_scale: Literal["std", "none"] = "std"
+
+
+class OptimizerConfig(_Section):
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+class TrainConfig(_Section):
+    """One RL step = one rollout batch, split into ``mini_batches`` optimizer steps."""
+
+    mini_batches: int = 4
+    # Packed micro-batches under a token budget, or padded ones of micro_batch_size sequences.
+    packing: bool = True
+    micro_batch_tokens: int = 4096
+    micro_batch_size: int = 4
+    # Where the importance ratio's denominator comes from: a forward pass of the pre-update
+    # policy, or the rollout engine's own log-probs (cheaper; GSPO's sequence ratio tolerates
+    # the small train/inference mismatch, which is logged either way).
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    # Force the training forward to use the experts the old policy chose (for GRPO on MoE).
+    routing_replay: bool = False
+
+
 class RolloutConfig(_Section):
     """How responses are sampled: the embedded engine or a vLLM service."""
 
@@ -103,6 +162,21 @@ class Recipe(_Section):
     parallel: ParallelConfig = ParallelConfig()
     precision: PrecisionConfig = PrecisionConfig()
     rollout: RolloutConfig = RolloutConfig()
+    memory: MemoryConfig = MemoryConfig()
+    loss: LossConfig = LossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_sections(self) -> Recipe:
+        if self.train.routing_replay and not self.model.is_moe:
+            raise ValueError("train.routing_replay needs an MoE model (model.num_experts)")
+        if self.train.routing_replay and self.train.old_logprobs != "recompute":
+            raise ValueError(
+                "train.routing_replay records the routing of the old-policy forward, so it "
+                "needs train.old_logprobs=recompute"
+            )
+        return self
 
 
 class RecipeError(ValueError):

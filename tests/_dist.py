@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,8 +62,17 @@ def run_distributed(
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"ranks {dead} died" if dead else f"timed out after {timeout} s"
+                    errors.append(f"no result from every rank: {why}")
+                    break
+                continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:

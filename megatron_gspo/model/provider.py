@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_gspo.config import ModelConfig, ParallelConfig, PrecisionConfig
+from megatron_gspo.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_gspo.extras import require_extra
 from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
 
@@ -53,9 +53,12 @@ def transformer_config(
     parallel: ParallelConfig,
     precision: PrecisionConfig | None = None,
     *,
+    memory: MemoryConfig | None = None,
+    routing_replay: bool = False,
     use_te: bool | None = None,
 ) -> TransformerConfig:
     precision = precision or PrecisionConfig()
+    memory = memory or MemoryConfig()
     if use_te is None:
         use_te = transformer_engine_available()
     if precision.fp8 and not use_te:
@@ -78,6 +81,7 @@ def transformer_config(
             # alltoall needs CUDA streams; allgather runs everywhere.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=use_te,
+            moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -119,6 +123,12 @@ def transformer_config(
         # loss by (DP x CP x micro-batches / global sequences) so the result is the global
         # per-sequence mean, while the aux loss keeps Megatron's mean (see train_step.py).
         calculate_per_token_loss=False,
+        # Packed micro-batches differ in length; pipeline stages exchange shapes first.
+        variable_seq_lengths=True,
+        recompute_granularity=memory.recompute_granularity,
+        recompute_method=memory.recompute_method,
+        recompute_num_layers=memory.recompute_num_layers,
+        **({"recompute_modules": memory.recompute_modules} if memory.recompute_modules else {}),
         **moe,
     )
 
@@ -128,12 +138,16 @@ def build_model(
     parallel: ParallelConfig,
     precision: PrecisionConfig | None = None,
     *,
+    memory: MemoryConfig | None = None,
+    routing_replay: bool = False,
     use_te: bool | None = None,
 ) -> GPTModel:
     """The policy's stage for this rank; parallel state must already be initialized."""
     if use_te is None:
         use_te = transformer_engine_available()
-    config = transformer_config(model, parallel, precision, use_te=use_te)
+    config = transformer_config(
+        model, parallel, precision, memory=memory, routing_replay=routing_replay, use_te=use_te
+    )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return GPTModel(
         config=config,

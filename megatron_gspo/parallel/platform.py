@@ -2,8 +2,10 @@
 
 Megatron-Core assumes a GPU in a few scattered places: tensors created with ``device="cuda"``,
 ``torch.cuda.current_device()`` used as a device, the CUDA RNG state behind its RNG tracker,
-``torch.cuda.synchronize()`` in the pipeline p2p code, and one name (``te_general_gemm``) that
-the MoE router reads without defining it when Transformer Engine is missing. On a CPU-only
+``torch.cuda.synchronize()`` in the pipeline p2p code, ``Tensor.type()`` compared with
+``'torch.cuda.FloatTensor'`` in the optimizer and gradient clipping, and one name
+(``te_general_gemm``) that the MoE router reads without defining it when Transformer Engine
+is missing. On a CPU-only
 machine :func:`enable_cpu_platform` redirects exactly these to the CPU, so tests and the embedded
 recipe exercise Megatron's own model, router, expert dispatch and pipeline schedule rather than
 a re-implementation. With CUDA available it does nothing.
@@ -46,6 +48,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizer and grad clipping assert 'torch.cuda.FloatTensor' and kin.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
