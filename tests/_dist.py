@@ -68,6 +68,8 @@ def run_distributed(
                 rank, status, payload = queue.get(timeout=1.0)
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if errors and time.monotonic() > deadline:
+                    break
                 if dead or time.monotonic() > deadline:
                     why = f"ranks {dead} died" if dead else f"timed out after {timeout} s"
                     errors.append(f"no result from every rank: {why}")
@@ -77,7 +79,11 @@ def run_distributed(
                 results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
-                break
+                # The first rank to report is often a victim of another's failure (a reset
+                # connection); give the others a moment to report the cause.
+                deadline = min(deadline, time.monotonic() + 10)
+                if len(errors) + len(results) == world_size:
+                    break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)

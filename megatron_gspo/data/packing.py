@@ -157,20 +157,45 @@ def _causal(seq: int) -> torch.Tensor:
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def microbatch_width(samples: list[Sample], indices: list[int], *, packing: bool) -> int:
+    """Sequence length of a micro-batch before any padding to a common shape."""
+    lengths = [samples[i].num_tokens for i in indices] or [1]
+    return sum(lengths) if packing else max(lengths)
+
+
 def build_microbatch(
-    samples: list[Sample], indices: list[int], *, packing: bool, pad_id: int = 0
+    samples: list[Sample],
+    indices: list[int],
+    *,
+    packing: bool,
+    pad_id: int = 0,
+    pad_to_multiple: int = 1,
+    width: int | None = None,
+    rows: int | None = None,
 ) -> MicroBatch:
-    """Tensors for one micro-batch. An empty ``indices`` gives a one-token batch with no loss."""
+    """Tensors for one micro-batch. An empty ``indices`` gives a filler batch with no loss.
+
+    ``pad_to_multiple`` rounds the sequence dimension up (sequence parallelism splits it over
+    tensor-parallel ranks); ``width`` and ``rows`` pad to a fixed shape (pipeline stages that
+    cannot exchange shapes). Padding carries no loss and no sequence reads it.
+    """
+    natural = microbatch_width(samples, indices, packing=packing)
+    width = _round_up(max(natural, width or 0), pad_to_multiple)
     if not indices:
-        zero = torch.zeros(1, 1, dtype=torch.long)
+        b = 1 if packing else (rows or 1)
+        zero = torch.zeros(b, width, dtype=torch.long)
         return MicroBatch(
             tokens=zero,
-            position_ids=zero.clone(),
-            attention_mask=_causal(1)[None, None],
+            position_ids=torch.arange(width).expand(b, width).clone(),
+            attention_mask=_causal(width)[None, None],
             targets=zero.clone(),
-            loss_mask=torch.zeros(1, 1),
+            loss_mask=torch.zeros(b, width),
             advantages=torch.zeros(0),
-            old_logprobs=torch.zeros(1, 1),
+            old_logprobs=torch.zeros(b, width),
             cu_seqlens=torch.zeros(1, dtype=torch.int32) if packing else None,
             sample_indices=[],
         )
@@ -181,34 +206,44 @@ def build_microbatch(
         total = sum(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-        mask = torch.ones(total, total, dtype=torch.bool)
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        # The tail padding is a segment of its own, so no sequence attends to it.
+        bounds = [*cu.tolist(), width] if width > total else cu.tolist()
+        mask = torch.ones(width, width, dtype=torch.bool)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             mask[a:b, a:b] = _causal(b - a)
+        tail = width - total
+
+        def row(parts: list[list], value) -> torch.Tensor:
+            return torch.tensor([sum(parts, []) + [value] * tail])
+
         return MicroBatch(
-            tokens=torch.tensor([sum((a[0] for a in arrays), [])]),
-            position_ids=torch.cat([torch.arange(n) for n in lens])[None],
+            tokens=row([a[0] for a in arrays], pad_id),
+            position_ids=torch.cat([torch.arange(n) for n in [*lens, tail]])[None],
             attention_mask=mask[None, None],
-            targets=torch.tensor([sum((a[1] for a in arrays), [])]),
-            loss_mask=torch.tensor([sum((a[2] for a in arrays), [])]),
+            targets=row([a[1] for a in arrays], pad_id),
+            loss_mask=row([a[2] for a in arrays], 0.0),
             advantages=advantages,
-            old_logprobs=torch.tensor([sum((a[3] for a in arrays), [])]),
+            old_logprobs=row([a[3] for a in arrays], 0.0),
             cu_seqlens=cu,
             sample_indices=list(indices),
         )
-    width = max(len(a[0]) for a in arrays)
+    # Empty rows (fixed shapes) are sequences with no tokens: they contribute nothing.
+    empty = max(0, (rows or 0) - len(arrays))
+    arrays += [([], [], [], [])] * empty
+    advantages = torch.cat([advantages, torch.zeros(empty)])
 
-    def pad(rows: list[list], value) -> list[list]:
-        return [r + [value] * (width - len(r)) for r in rows]
+    def pad(parts: list[list], value) -> torch.Tensor:
+        return torch.tensor([r + [value] * (width - len(r)) for r in parts])
 
     return MicroBatch(
-        tokens=torch.tensor(pad([a[0] for a in arrays], pad_id)),
+        tokens=pad([a[0] for a in arrays], pad_id),
         position_ids=torch.arange(width).expand(len(arrays), width).clone(),
         # Padding sits after each sequence, so causal attention never reads it.
         attention_mask=_causal(width)[None, None],
-        targets=torch.tensor(pad([a[1] for a in arrays], pad_id)),
-        loss_mask=torch.tensor(pad([a[2] for a in arrays], 0.0)),
+        targets=pad([a[1] for a in arrays], pad_id),
+        loss_mask=pad([a[2] for a in arrays], 0.0),
         advantages=advantages,
-        old_logprobs=torch.tensor(pad([a[3] for a in arrays], 0.0)),
+        old_logprobs=pad([a[3] for a in arrays], 0.0),
         cu_seqlens=None,
         sample_indices=list(indices),
     )

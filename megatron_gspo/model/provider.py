@@ -123,8 +123,9 @@ def transformer_config(
         # loss by (DP x CP x micro-batches / global sequences) so the result is the global
         # per-sequence mean, while the aux loss keeps Megatron's mean (see train_step.py).
         calculate_per_token_loss=False,
-        # Packed micro-batches differ in length; pipeline stages exchange shapes first.
-        variable_seq_lengths=True,
+        # Packed micro-batches differ in length: with alltoall, pipeline stages exchange
+        # shapes first; allgather cannot, and the trainer pads to one shape per mini-batch.
+        variable_seq_lengths=on_gpu and parallel.pipeline_model_parallel_size > 1,
         recompute_granularity=memory.recompute_granularity,
         recompute_method=memory.recompute_method,
         recompute_num_layers=memory.recompute_num_layers,

@@ -35,6 +35,10 @@ class ParallelGroups:
     def dp_size(self) -> int:
         return dist.get_world_size(self.dp)
 
+    @property
+    def dp_cp_size(self) -> int:
+        return dist.get_world_size(self.dp_cp)
+
 
 def _init_default_group() -> None:
     if dist.is_initialized():

@@ -1,0 +1,364 @@
+"""One GSPO update of the policy on a batch of rollouts.
+
+Reads as the algorithm does:
+
+1. split the rollout batch into mini-batches (one optimizer step each);
+2. plan each mini-batch's micro-batches for every data-parallel rank (identically on all ranks,
+   so the global sequence count needs no communication);
+3. old log-probs: a forward-only pass of the pre-update policy over every mini-batch (which
+   also records the routes for the flip rate and routing replay), or the rollout's own;
+4. for each mini-batch, Megatron's schedule runs forward and backward; the last pipeline stage
+   turns vocab-parallel logits into fp32 log-probs and the policy loss; one optimizer step.
+
+Normalization: Megatron averages each micro-batch's loss over the ``M`` micro-batches and the
+``D`` data(-and-context)-parallel ranks, and scales the router's aux loss the same way. The loss
+function therefore multiplies the policy loss, already divided by the mini-batch's global
+sequence count ``N``, by ``D * M``: the gradient is then exactly ``(1/N) sum_i``, whatever the
+layout, while the aux loss keeps Megatron's own mean.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from megatron_gspo.config import LossConfig
+from megatron_gspo.data.packing import (
+    MicroBatch,
+    Sample,
+    build_microbatch,
+    microbatch_width,
+    plan_microbatches,
+)
+from megatron_gspo.loss import get_policy_loss, token_logprobs
+from megatron_gspo.model.router_stats import set_replay
+from megatron_gspo.policy import Policy
+
+_SEQ_METRICS = ("clip_fraction_seq", "seq_log_ratio_mean")
+_TOK_METRICS = ("clip_fraction_tok", "approx_kl", "entropy")
+_UNIT_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    samples: list[Sample]
+    # Sample indices of every data-parallel rank's micro-batches (the same on all ranks).
+    per_rank: list[list[list[int]]]
+    # This rank's micro-batches (the same count on every data-parallel rank).
+    microbatches: list[MicroBatch]
+    num_sequences: int
+
+
+def _loss_kwargs(loss: LossConfig) -> dict:
+    kwargs: dict = {"max_log_ratio": loss.max_log_ratio}
+    if loss.eps_low is not None:
+        kwargs["eps_low"] = loss.eps_low
+    if loss.eps_high is not None:
+        kwargs["eps_high"] = loss.eps_high
+    return kwargs
+
+
+def _reports_metrics(policy: Policy) -> bool:
+    """One rank per data-parallel replica contributes metrics: TP ranks hold copies."""
+    return (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
+    )
+
+
+class GSPOTrainer:
+    """Applies the policy loss of a recipe to rollout batches with a :class:`Policy`."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.recipe = policy.recipe
+        self.groups = policy.groups
+        self.loss_name = self.recipe.loss.name
+        packed = self.recipe.train.packing
+        self.loss_fn = get_policy_loss(self.loss_name, packed=packed)
+        self.loss_kwargs = _loss_kwargs(self.recipe.loss)
+        self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
+        # Sequence parallelism splits the sequence over TP ranks: pad rows to a multiple.
+        self.pad_multiple = (
+            self.recipe.parallel.tensor_model_parallel_size
+            if self.recipe.parallel.sequence_parallel
+            else 1
+        )
+        # One shape per mini-batch where ranks exchange activations of a shape they cannot
+        # tell each other: pipeline stages without variable_seq_lengths, and the allgather
+        # expert dispatcher (alltoall, the GPU default, takes uneven splits).
+        config = policy.config
+        self.fixed_shapes = (
+            config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths
+        ) or (
+            config.expert_model_parallel_size > 1
+            and config.moe_token_dispatcher_type == "allgather"
+        )
+
+    # ---------------------------------------------------------------- planning
+    def plan(self, samples: list[Sample]) -> list[MiniBatchPlan]:
+        train = self.recipe.train
+        n = len(samples)
+        if n < train.mini_batches:
+            raise ValueError(
+                f"{n} samples cannot be split into train.mini_batches={train.mini_batches}"
+            )
+        bounds = [round(k * n / train.mini_batches) for k in range(train.mini_batches + 1)]
+        plans = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            mini = samples[a:b]
+            per_rank = plan_microbatches(
+                mini,
+                dp_size=self.groups.dp_size,
+                packing=train.packing,
+                micro_batch_tokens=train.micro_batch_tokens,
+                micro_batch_size=train.micro_batch_size,
+            )
+            plans.append(MiniBatchPlan(mini, per_rank, self._build(mini, per_rank), len(mini)))
+        return plans
+
+    def _build(self, samples: list[Sample], per_rank: list[list[list[int]]]) -> list[MicroBatch]:
+        """This rank's micro-batch tensors, padded to one shape where the layout needs it."""
+        train = self.recipe.train
+        width = rows = None
+        if self.fixed_shapes:
+            # Over every rank's micro-batches: expert dispatch gathers across ranks.
+            width = max(
+                microbatch_width(samples, idx, packing=train.packing)
+                for rank in per_rank
+                for idx in rank
+            )
+            rows = None if train.packing else train.micro_batch_size
+        return [
+            build_microbatch(
+                samples,
+                idx,
+                packing=train.packing,
+                pad_to_multiple=self.pad_multiple,
+                width=width,
+                rows=rows,
+            )
+            for idx in per_rank[self.groups.dp_rank]
+        ]
+
+    # ---------------------------------------------------------------- passes
+    def _schedule(self, plan: MiniBatchPlan, forward_step, *, forward_only: bool) -> list[dict]:
+        mbs = plan.microbatches
+        return self.policy.run_schedule(
+            forward_step,
+            list(enumerate(mbs)),
+            len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _model_forward(self, model, mb: MicroBatch):
+        return model(mb.tokens, mb.position_ids, mb.attention_mask)
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, plans: list[MiniBatchPlan]) -> dict[str, float]:
+        """Fill ``sample.old_logprobs`` with the pre-update policy's log-probs (last stage).
+
+        Also records every micro-batch's routes, and measures the train/rollout mismatch.
+        """
+        stats = self.policy.router_stats
+        if stats is not None:
+            stats.clear()
+        self.policy.train(False)
+        for p_idx, plan in enumerate(plans):
+
+            def forward_step(data_iterator, model, p_idx=p_idx):
+                m_idx, mb = next(data_iterator)
+                if stats is not None:
+                    stats.record((p_idx, m_idx))
+                out = self._model_forward(model, mb)
+                if stats is not None:
+                    stats.done()
+
+                def loss_func(logits):
+                    lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
+                    return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
+
+                return out, loss_func
+
+            for rep in self._schedule(plan, forward_step, forward_only=True):
+                mb = plan.microbatches[rep["mb"]]
+                for j, values in zip(
+                    mb.sample_indices, mb.token_values(rep["logprobs"]), strict=True
+                ):
+                    plan.samples[j].old_logprobs = values.detach().float().clone()
+        self.policy.train(True)
+        return self._rollout_mismatch([s for p in plans for s in p.samples])
+
+    def _rollout_mismatch(self, samples: list[Sample]) -> dict[str, float]:
+        diff_sum = torch.zeros(3, dtype=torch.float64)  # |Δ| sum, tokens, k3 sum
+        if _reports_metrics(self.policy):
+            for s in samples:
+                if s.rollout_logprobs is None or s.old_logprobs is None:
+                    continue
+                d = s.old_logprobs.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+                diff_sum += torch.stack(
+                    [d.abs().sum(), torch.tensor(float(d.numel())), (d.exp() - 1 - d).sum()]
+                )
+        # Samples are replicated over data-parallel ranks in the plan, but each rank only
+        # computed its own: sum over the world, counting one rank per replica.
+        dist.all_reduce(diff_sum)
+        if diff_sum[1] == 0:
+            return {}
+        return {
+            "rollout_logprob_abs_diff": float(diff_sum[0] / diff_sum[1]),
+            "rollout_kl_k3": float(diff_sum[2] / diff_sum[1]),
+        }
+
+    def train_minibatch(self, p_idx: int, plan: MiniBatchPlan) -> dict[str, float]:
+        stats = self.policy.router_stats
+        replay = self.recipe.train.routing_replay
+        num_micro = len(plan.microbatches)
+        scale = self.groups.dp_cp_size * num_micro
+
+        def forward_step(data_iterator, model):
+            m_idx, mb = next(data_iterator)
+            if replay:
+                set_replay(
+                    RouterReplayAction.REPLAY_FORWARD, stats.recorded_indices((p_idx, m_idx))
+                )
+            if stats is not None:
+                stats.compare((p_idx, m_idx))
+            out = self._model_forward(model, mb)
+            if stats is not None:
+                stats.done()
+            if replay:
+                set_replay(None)
+            return out, lambda logits: self._loss(logits, mb, plan.num_sequences, scale)
+
+        reports = self._schedule(plan, forward_step, forward_only=False)
+        metrics = self.policy.optimizer_step()
+        metrics.update(self._reduce_reports(reports))
+        return metrics
+
+    def _loss(self, logits: torch.Tensor, mb: MicroBatch, num_sequences: int, scale: int):
+        lp, entropy = token_logprobs(
+            logits, mb.targets, tp_group=self.groups.tp, return_entropy=True
+        )
+        if mb.num_sequences == 0:
+            # A filler micro-batch keeps the schedule in step across ranks; no loss.
+            zero = lp.sum() * 0
+            return zero, torch.tensor(1), {"num_valid_sequences": torch.tensor(0.0)}
+        if mb.packed:
+            n = int(mb.cu_seqlens[-1])
+            loss, metrics = self.loss_fn(
+                lp[0, :n],
+                mb.old_logprobs[0, :n],
+                mb.advantages,
+                mb.loss_mask[0, :n],
+                cu_seqlens=mb.cu_seqlens,
+                num_sequences=num_sequences,
+                **self.loss_kwargs,
+            )
+        else:
+            loss, metrics = self.loss_fn(
+                lp,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                num_sequences=num_sequences,
+                **self.loss_kwargs,
+            )
+        mask = mb.loss_mask
+        metrics = dict(metrics)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        metrics["loss"] = loss.detach()
+        return loss * scale, torch.tensor(1), metrics
+
+    def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
+        """Weighted sums over micro-batches here, then over data-parallel replicas."""
+        keys = [*_SEQ_METRICS, *_TOK_METRICS, *_UNIT_METRICS]
+        weights = {k: "num_valid_sequences" for k in _SEQ_METRICS}
+        weights.update({k: "num_valid_tokens" for k in _TOK_METRICS})
+        weights.update({k: self.unit_weight for k in _UNIT_METRICS})
+        vec = torch.zeros(len(keys) + 3, dtype=torch.float64)
+        peak = torch.zeros(1, dtype=torch.float64)
+        if _reports_metrics(self.policy):
+            for r in reports:
+                if float(r["num_valid_sequences"]) == 0:
+                    continue
+                for i, k in enumerate(keys):
+                    vec[i] += float(r[k]) * float(r[weights[k]])
+                vec[-3] += float(r["num_valid_sequences"])
+                vec[-2] += float(r["num_valid_tokens"])
+                vec[-1] += float(r["loss"])
+                peak = torch.maximum(peak, torch.tensor([float(r["seq_log_ratio_abs_max"])]))
+        dist.all_reduce(vec)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        totals = {"num_valid_sequences": vec[-3], "num_valid_tokens": vec[-2]}
+        out = {k: float(vec[i] / totals[weights[k]].clamp(min=1)) for i, k in enumerate(keys)}
+        out["loss"] = float(vec[-1])
+        out["seq_log_ratio_abs_max"] = float(peak)
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """One rollout batch: old log-probs, then one optimizer step per mini-batch."""
+        plans = self.plan(samples)
+        metrics: dict[str, float] = {}
+        if self.recipe.train.old_logprobs == "recompute":
+            metrics.update(self.compute_old_logprobs(plans))
+        else:
+            for s in samples:
+                if s.rollout_logprobs is None:
+                    raise ValueError(
+                        "train.old_logprobs=rollout needs log-probs from the rollout engine"
+                    )
+                s.old_logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        stats = self.policy.router_stats
+        if stats is not None:
+            stats.reset_counts()
+        per_mini = defaultdict(list)
+        for p_idx, plan in enumerate(self.plan_with_old_logprobs(plans)):
+            for k, v in self.train_minibatch(p_idx, plan).items():
+                per_mini[k].append(v)
+        metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
+        metrics["seq_log_ratio_abs_max"] = max(per_mini["seq_log_ratio_abs_max"])
+        if stats is not None:
+            metrics.update(self._router_metrics())
+        return metrics
+
+    def plan_with_old_logprobs(self, plans: list[MiniBatchPlan]) -> list[MiniBatchPlan]:
+        """Rebuild the micro-batch tensors now that the samples carry old log-probs."""
+        return [
+            MiniBatchPlan(
+                p.samples, p.per_rank, self._build(p.samples, p.per_rank), p.num_sequences
+            )
+            for p in plans
+        ]
+
+    def _router_metrics(self) -> dict[str, float]:
+        stats = self.policy.router_stats
+        counts = torch.tensor([stats.flipped, stats.compared], dtype=torch.float64)
+        load = stats.expert_load.clone()
+        # Routers run on every TP rank over the same tokens only without sequence parallelism;
+        # counting on every rank and dividing by the TP size would be wrong with it, so count
+        # routes where each token is seen once: all ranks with sequence parallelism, TP rank 0
+        # without.
+        if not self.recipe.parallel.sequence_parallel and (
+            parallel_state.get_tensor_model_parallel_rank() != 0
+        ):
+            counts.zero_()
+            load.zero_()
+        dist.all_reduce(counts)
+        dist.all_reduce(load)
+        mean_load = load.mean().clamp(min=1e-12)
+        out = {
+            "expert_load_max_over_mean": float(load.max() / mean_load),
+            "expert_load_min_over_mean": float(load.min() / mean_load),
+        }
+        if counts[1] > 0:
+            out["routing_flip_rate"] = float(counts[0] / counts[1])
+        return out

@@ -1,0 +1,132 @@
+"""The distributed GSPO step equals the single-rank step, whatever the layout or batching.
+
+Adam runs with an epsilon far above every gradient, where its first step is lr/eps times the
+gradient: equal updated weights then mean equal gradients (Megatron's distributed optimizer
+supports Adam only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_gspo.config import Recipe
+from tests._dist import run_distributed
+from tests.rl_fixtures import rollout_batch, tiny_recipe
+
+LINEAR_ADAM = {"lr": 5e3, "adam_eps": 1e4, "clip_grad": 0.0}
+
+
+def _step(rank: int, world: int, recipe: Recipe, samples, steps: int = 1, weights=None):
+    """Returns (per-step metrics, full weights before, full weights after)."""
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.weights import gather_full_state_dict
+
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    if weights is not None:
+        policy.load_full_state_dict(weights)
+    start = gather_full_state_dict(policy.model)
+    trainer = GSPOTrainer(policy)
+    metrics = [trainer.step(samples) for _ in range(steps)]
+    return metrics, start, gather_full_state_dict(policy.model)
+
+
+def _max_rel_weight_diff(a: dict, b: dict, start: dict) -> float:
+    """Largest difference of the updates, relative to the largest update of that tensor."""
+    worst = 0.0
+    for k in start:
+        da, db = a[k] - start[k], b[k] - start[k]
+        worst = max(worst, float((da - db).abs().max() / da.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    recipe = tiny_recipe(optimizer=LINEAR_ADAM, loss={"eps_low": 0.02, "eps_high": 0.02})
+    samples = rollout_batch()
+    metrics, start, weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    return recipe, samples, metrics, weights, start
+
+
+def test_single_rank_step_updates_weights_and_reports_metrics(single_rank):
+    recipe, _, metrics, weights, start = single_rank
+    assert metrics[0]["routing_flip_rate"] > 0, "routes never changed after two updates"
+    for key in ("loss", "clip_fraction", "approx_kl", "entropy", "rollout_logprob_abs_diff"):
+        assert key in metrics[0] and torch.isfinite(torch.tensor(metrics[0][key])), key
+    # The second step starts off-policy relative to its own old log-probs only after its
+    # first mini-batch update, so some sequences clip with eps 0.02 and lr 0.5.
+    assert any(m["clip_fraction"] > 0 for m in metrics), "nothing was ever clipped"
+    changed = [k for k in start if not torch.equal(start[k], weights[k])]
+    assert len(changed) == len(start), f"not updated: {set(start) - set(changed)}"
+
+
+LAYOUTS = [
+    pytest.param(
+        {"expert_model_parallel_size": 2}, {"use_distributed_optimizer": True}, id="ep2-dp2-distopt"
+    ),
+    pytest.param({}, {"use_distributed_optimizer": True}, id="dp2-distopt"),
+    pytest.param({"pipeline_model_parallel_size": 2}, {}, id="pp2"),
+    pytest.param({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {}, id="tp2-sp"),
+]
+
+
+@pytest.mark.parametrize("parallel,memory", LAYOUTS)
+def test_two_rank_layout_step_equals_single_rank(single_rank, parallel, memory):
+    recipe, samples, ref_metrics, ref_weights, start = single_rank
+    data = recipe.model_dump()
+    data["parallel"].update(parallel)
+    data["memory"].update(memory)
+    results = run_distributed(_step, 2, Recipe.model_validate(data), samples, 2, start)
+    metrics, start2, weights = results[0]
+    assert all(torch.equal(start[k], start2[k]) for k in start), "layouts started apart"
+    for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
+        for key in ("loss", "clip_fraction", "approx_kl", "seq_log_ratio_mean"):
+            assert abs(m[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (
+                f"step {step} {key}: {m[key]} != single-rank {r[key]}"
+            )
+    err = _max_rel_weight_diff(weights, ref_weights, start)
+    assert err <= 1e-4, f"updated weights differ from single rank by {err:.2e} (relative)"
+
+
+def _one_minibatch(**train) -> Recipe:
+    return tiny_recipe(optimizer=LINEAR_ADAM, train={"mini_batches": 1, **train})
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        pytest.param({"packing": True}, {"packing": False}, id="packed-vs-padded"),
+        pytest.param(
+            {"packing": True, "micro_batch_tokens": 400},
+            {"packing": True, "micro_batch_tokens": 64},
+            id="1-vs-many-microbatches",
+        ),
+        pytest.param(
+            {"packing": False, "micro_batch_size": 16},
+            {"packing": False, "micro_batch_size": 4},
+            id="padded-1-vs-4",
+        ),
+    ],
+)
+def test_batching_does_not_change_loss_or_gradient(a, b):
+    samples = rollout_batch(seed=3)
+    (ma,), start, wa = run_distributed(_step, 1, _one_minibatch(**a), samples)[0]
+    (mb,), _, wb = run_distributed(_step, 1, _one_minibatch(**b), samples)[0]
+    assert abs(ma["loss"] - mb["loss"]) <= 1e-6 * max(1.0, abs(ma["loss"])), (
+        ma["loss"],
+        mb["loss"],
+    )
+    err = _max_rel_weight_diff(wa, wb, start)
+    assert err <= 1e-4, f"gradients differ by {err:.2e} (relative) between {a} and {b}"
+
+
+def test_routing_replay_forces_recorded_experts_and_zero_flip_rate():
+    samples = rollout_batch(seed=5)
+    free = tiny_recipe(optimizer=LINEAR_ADAM)
+    replayed = tiny_recipe(optimizer=LINEAR_ADAM, train={"routing_replay": True})
+    (free_m,), _, _ = run_distributed(_step, 1, free, samples)[0]
+    (replay_m,), _, _ = run_distributed(_step, 1, replayed, samples)[0]
+    assert free_m["routing_flip_rate"] > 0, "the update changed no route; the test is vacuous"
+    assert replay_m["routing_flip_rate"] == 0.0, "replay let the router choose other experts"
