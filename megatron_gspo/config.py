@@ -151,10 +151,83 @@ class TrainConfig(_Section):
     routing_replay: bool = False
 
 
+class VLLMConfig(_Section):
+    """A vLLM OpenAI-compatible service used as the rollout engine."""
+
+    # Base URLs (http://host:port) of the servers; prompts are spread over them. The
+    # MEGATRON_GSPO_VLLM_URLS environment variable (comma-separated) overrides this, which is
+    # how the Slurm launcher hands over the addresses of the servers it started.
+    urls: list[str] = []
+    # The served model name; defaults to what the server reports at /v1/models.
+    model: str | None = None
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    # A directory that the trainer and the servers both see; each weight sync writes a
+    # Hugging Face checkpoint there and asks the servers to load it.
+    sync_dir: str | None = None
+
+
 class RolloutConfig(_Section):
     """How responses are sampled: the embedded engine or a vLLM service."""
 
     engine: Literal["local", "vllm"] = "local"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    # Defaults to the tokenizer's end-of-sequence id.
+    stop_token_ids: list[int] | None = None
+    seed: int = 0
+    vllm: VLLMConfig = VLLMConfig()
+
+
+class DataConfig(_Section):
+    """Prompts: a built-in synthetic task, or a JSONL file of prompt/answer records."""
+
+    task: str | None = None
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    # A sentencepiece .model or a Hugging Face tokenizer.json; synthetic tasks bring their own.
+    tokenizer: str | None = None
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of data.task (a synthetic task) or data.path (JSONL)")
+        if self.path is not None and self.tokenizer is None:
+            raise ValueError(
+                "data.path needs data.tokenizer (a sentencepiece model or tokenizer.json)"
+            )
+        return self
+
+
+class RewardFunctionConfig(_Section):
+    # A registered name (exact_match, math, format, ...) or "package.module:function".
+    name: str
+    weight: float = 1.0
+    kwargs: dict = {}
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
+    # A reward function that takes longer scores 0 for that sample (and is counted).
+    timeout_s: float = 30.0
+
+
+class RunConfig(_Section):
+    """The outer loop: how long, where to write, how often to save and report."""
+
+    steps: int = 100
+    # Relative paths are resolved against the working directory.
+    output_dir: str = "runs/default"
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    plot_every: int = 10
 
 
 class Recipe(_Section):
@@ -166,6 +239,9 @@ class Recipe(_Section):
     loss: LossConfig = LossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
+    data: DataConfig | None = None
+    reward: RewardConfig = RewardConfig()
+    run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
     def _check_cross_sections(self) -> Recipe:

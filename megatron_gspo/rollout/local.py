@@ -1,0 +1,130 @@
+"""The embedded rollout engine: batched sampling from the Megatron policy in this process.
+
+It decodes with Megatron-Core's static KV cache (``StaticInferenceContext``), so a generation
+of ``n`` tokens costs ``n`` single-token forwards rather than ``n`` forwards of a growing
+sequence. Prompts of different lengths are left-padded and the padding is masked out of
+attention; RoPE depends only on relative positions, so the shift changes nothing.
+
+Every rank runs the same generation (same prompts, same random stream): expert and tensor
+parallel forwards are collective and need identical shapes on all ranks. That duplicates work
+across data-parallel ranks, which is fine for the small runs this engine is for; large runs use
+the vLLM engine. Pipeline parallelism and sequence parallelism are not supported here.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult
+from megatron_gspo.rollout.sampling import sample_tokens
+
+
+class LocalEngine:
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 256, use_cache: bool = True):
+        config = model.config
+        if config.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "rollout.engine=local needs parallel.pipeline_model_parallel_size=1; "
+                "use rollout.engine=vllm with pipeline parallelism"
+            )
+        if config.sequence_parallel:
+            raise ValueError(
+                "rollout.engine=local does not support parallel.sequence_parallel (single-token "
+                "decode steps cannot be split over tensor-parallel ranks); use rollout.engine=vllm"
+            )
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.use_cache = use_cache
+
+    def sync_weights(self) -> None:
+        """Nothing to do: the engine samples from the trainer's own parameters."""
+
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        params = request.params
+        generator = torch.Generator().manual_seed(params.seed)
+        flat = [p for p in request.prompts for _ in range(params.group_size)]
+        out: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(flat), self.max_batch_size):
+                out += self._generate_batch(flat[start : start + self.max_batch_size], params, generator)
+        finally:
+            self.model.train(was_training)
+        g = params.group_size
+        return RolloutResult([out[i : i + g] for i in range(0, len(out), g)])
+
+    def _forward(self, tokens, positions, mask, ctx):
+        if ctx is None:
+            return self.model(tokens, positions, mask, runtime_gather_output=True)
+        return self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+
+    def _generate_batch(self, prompts: list[list[int]], params, generator) -> list[Completion]:
+        n, width = len(prompts), max(len(p) for p in prompts)
+        total = width + params.max_new_tokens
+        pad = torch.tensor([width - len(p) for p in prompts])
+        tokens = torch.zeros(n, total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p) : width] = torch.tensor(p)
+        key_pad = torch.arange(total)[None] < pad[:, None]  # True where a key is padding
+        causal = torch.triu(torch.ones(total, total, dtype=torch.bool), 1)
+        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+
+        ctx = StaticInferenceContext(n, total) if self.use_cache else None
+        positions = torch.arange(total)[None].expand(n, total)
+        logits = self._forward(
+            tokens[:, :width],
+            positions[:, :width],
+            causal[None, None, :width, :width] | key_pad[:, None, None, :width],
+            ctx,
+        )[:, -1]
+        if ctx is not None:
+            ctx.sequence_len_offset = width
+
+        logprobs = torch.zeros(n, params.max_new_tokens)
+        done = torch.zeros(n, dtype=torch.bool)
+        lengths = torch.full((n,), params.max_new_tokens)
+        for t in range(params.max_new_tokens):
+            nxt = sample_tokens(
+                logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+            )
+            logprobs[:, t] = torch.log_softmax(logits.float(), -1).gather(-1, nxt[:, None])[:, 0]
+            pos = width + t
+            tokens[:, pos] = torch.where(done, 0, nxt)
+            finished_now = ~done & torch.isin(nxt, stop)
+            lengths = torch.where(finished_now, t + 1, lengths)
+            done |= finished_now
+            if bool(done.all()) or t + 1 == params.max_new_tokens:
+                break
+            end = pos + 1
+            if ctx is not None:
+                logits = self._forward(
+                    tokens[:, pos : pos + 1],
+                    positions[:, pos : pos + 1],
+                    key_pad[:, None, None, :end],
+                    ctx,
+                )[:, -1]
+                ctx.sequence_len_offset = end
+            else:
+                logits = self._forward(
+                    tokens[:, :end],
+                    positions[:, :end],
+                    causal[None, None, :end, :end] | key_pad[:, None, None, :end],
+                    None,
+                )[:, -1]
+        completions = []
+        for i in range(n):
+            k = int(lengths[i])
+            completions.append(
+                Completion(
+                    token_ids=tokens[i, width : width + k].tolist(),
+                    logprobs=logprobs[i, :k].tolist(),
+                    finish_reason="stop" if bool(done[i]) else "length",
+                )
+            )
+        return completions
