@@ -1,0 +1,88 @@
+"""Tiny random-weight Qwen3 / Qwen3-MoE checkpoints: a reference no one here wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TOKENS_SHAPE = (2, 16)
+VOCAB = 128
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from initialization so that every layout mistake shows in the logits.
+
+    Norm weights are spread around 1 (a swapped q_norm/k_norm or a mis-split head changes the
+    result) and the router is sharp enough that the top-2 choice differs between tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def make_hf_moe(path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        dtype="float32",
+        attn_implementation="eager",
+    )
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    _randomize(model, seed)
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def make_hf_dense(path: Path, seed: int = 1) -> torch.nn.Module:
+    """Dense Qwen3 with tied embeddings, as the small Qwen3 checkpoints have."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        dtype="float32",
+        attn_implementation="eager",
+    )
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, TOKENS_SHAPE, generator=g)
+
+
+def hf_logits(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=toks).logits.float()
