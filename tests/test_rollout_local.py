@@ -15,13 +15,14 @@ def _generate(rank, world, parallel: ParallelConfig, request: RolloutRequest):
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.rollout.local import LocalEngine
-    from megatron_gspo.weights import load_full_state_dict
 
     init_parallel(parallel)
     model = build_model(TINY_MOE, parallel)
+    # Larger weights than the initializer's, so the sampled distribution is far from uniform.
     torch.manual_seed(7)
-    full = {k: torch.randn_like(v) * 0.5 for k, v in _reference_shapes().items()}
-    load_full_state_dict(model, full)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
     cached = LocalEngine(model, use_cache=True).generate(request)
     uncached = LocalEngine(model, use_cache=False).generate(request)
     # Teacher-forced log-probs of each sampled response, one sequence at a time.
@@ -33,29 +34,24 @@ def _generate(rank, world, parallel: ParallelConfig, request: RolloutRequest):
                 ids = torch.tensor([prompt + c.token_ids])
                 n = ids.shape[1]
                 logits = model(
-                    ids, torch.arange(n)[None], torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None],
+                    ids,
+                    torch.arange(n)[None],
+                    torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None],
                     runtime_gather_output=True,
                 )
-                lp = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+                lp = torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[
+                    :, 0
+                ]
                 forced.append(lp[len(prompt) - 1 :])
     return cached, uncached, forced
-
-
-def _reference_shapes():
-    # Names and shapes of the single-rank model, built without any process group.
-    shapes = {}
-    import megatron_gspo.weights.shards  # noqa: F401  (keeps import order explicit)
-
-    return _SHAPES if _SHAPES else shapes
-
-
-_SHAPES: dict = {}
 
 
 def test_cached_decoding_equals_uncached_and_logprobs_are_the_policys():
     request = RolloutRequest(
         prompts=[[1, 2, 3], [4, 5, 6, 7, 8], [9]],
-        params=SamplingParams(group_size=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(0,), seed=3),
+        params=SamplingParams(
+            group_size=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(0,), seed=3
+        ),
     )
     cached, uncached, forced = run_distributed(_generate, 1, ParallelConfig(), request)[0]
     flat = [c for g in cached.completions for c in g]

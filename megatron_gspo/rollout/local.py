@@ -21,7 +21,9 @@ from megatron_gspo.rollout.sampling import sample_tokens
 
 
 class LocalEngine:
-    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 256, use_cache: bool = True):
+    def __init__(
+        self, model: torch.nn.Module, *, max_batch_size: int = 256, use_cache: bool = True
+    ):
         config = model.config
         if config.pipeline_model_parallel_size > 1:
             raise ValueError(
@@ -53,7 +55,9 @@ class LocalEngine:
         self.model.eval()
         try:
             for start in range(0, len(flat), self.max_batch_size):
-                out += self._generate_batch(flat[start : start + self.max_batch_size], params, generator)
+                out += self._generate_batch(
+                    flat[start : start + self.max_batch_size], params, generator
+                )
         finally:
             self.model.train(was_training)
         g = params.group_size
@@ -62,7 +66,9 @@ class LocalEngine:
     def _forward(self, tokens, positions, mask, ctx):
         if ctx is None:
             return self.model(tokens, positions, mask, runtime_gather_output=True)
-        return self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+        return self.model(
+            tokens, positions, mask, inference_context=ctx, runtime_gather_output=True
+        )
 
     def _generate_batch(self, prompts: list[list[int]], params, generator) -> list[Completion]:
         n, width = len(prompts), max(len(p) for p in prompts)
