@@ -35,6 +35,18 @@ def validate(recipe: str) -> None:
     click.echo(f"{recipe}: ok")
 
 
+@main.command(
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def convert(args: tuple[str, ...]) -> None:
+    """Convert checkpoints: hf-to-megatron SRC DST | megatron-to-hf SRC DST (see --help)."""
+    from megatron_gspo.weights.convert import main as convert_main
+
+    sys.exit(convert_main(list(args)))
+
+
 def _setup_logging() -> None:
     import logging
     import os

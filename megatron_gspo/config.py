@@ -225,6 +225,9 @@ class RunConfig(_Section):
     steps: int = 100
     # Relative paths are resolved against the working directory.
     output_dir: str = "runs/default"
+    # Initial policy weights: a Megatron checkpoint written by `megatron-gspo convert
+    # hf-to-megatron` (model weights only). Ignored when the run resumes from its own.
+    init_from: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     tensorboard: bool = True
@@ -244,6 +247,21 @@ class Recipe(_Section):
     data: DataConfig | None = None
     reward: RewardConfig = RewardConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_from_hf(cls, data: object) -> object:
+        """``model: {from_hf: DIR, ...}`` takes the shape from DIR/config.json; other keys in
+        the section override it."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            return data
+        model = dict(data["model"])
+        path = model.pop("from_hf", None)
+        if path is None:
+            return data
+        from megatron_gspo.model.hf_config import model_config_from_hf
+
+        return {**data, "model": {**model_config_from_hf(path).model_dump(), **model}}
 
     @model_validator(mode="after")
     def _check_cross_sections(self) -> Recipe:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -124,6 +126,15 @@ class Policy:
             "update_skipped": 0.0 if ok else 1.0,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
+
+    def load_weights(self, checkpoint_dir: str | Path) -> None:
+        """Model weights from a Megatron distributed checkpoint, in this rank's layout."""
+        path = Path(checkpoint_dir)
+        if not (path / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path}: not a Megatron distributed checkpoint")
+        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path))
+        self.model.load_state_dict(state)
+        self.optimizer.reload_model_params()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Set the weights from a single-rank state dict; the optimizer's copies follow."""

@@ -135,8 +135,10 @@ def train(
         start, stream.position = latest, state["data_position"]
         engine.sync_weights()
         log.info("resumed from %s at step %d", checkpoints.dir, start)
-    elif rank0 and (run_dir / "checkpoints").exists() and not resume:
-        log.warning("%s has checkpoints; starting afresh because resume is off", run_dir)
+    elif recipe.run.init_from:
+        policy.load_weights(recipe.run.init_from)
+        engine.sync_weights()
+        log.info("initial weights from %s", recipe.run.init_from)
 
     logger = MetricsLogger(
         run_dir,

@@ -80,10 +80,12 @@ def test_logits_match_transformers(hf_models, converted, name: str) -> None:
     print(f"{name}: max |logit diff| = {diff:.3e} (logit scale {ref.abs().max().item():.2f})")
     assert diff <= LOGIT_ATOL, f"{name}: logits differ from transformers by {diff:.3e}"
 
-    # Next-token log-probs, as the loss sees them (megatron_gspo.loss is not merged yet).
+    # Next-token log-probs, as the loss computes them, against transformers' log_softmax.
+    from megatron_gspo.loss import token_logprobs
+
     nxt = toks[:, 1:, None]
-    ref_lp = torch.log_softmax(ref[:, :-1], -1).gather(-1, nxt)
-    our_lp = torch.log_softmax(ours[:, :-1], -1).gather(-1, nxt)
+    ref_lp = torch.log_softmax(ref[:, :-1], -1).gather(-1, nxt)[..., 0]
+    our_lp = token_logprobs(ours[:, :-1], toks[:, 1:])
     lp_diff = (our_lp - ref_lp).abs().max().item()
     assert lp_diff <= LOGIT_ATOL, f"{name}: next-token log-probs differ by {lp_diff:.3e}"
 
@@ -172,3 +174,37 @@ def test_round_trip_through_parallel_layout(hf_models, converted, layout: str, t
     assert set(back) == set(orig)
     bad = [k for k in orig if not torch.equal(orig[k], back[k])]
     assert not bad, f"{layout}: tensors changed by the round trip: {bad}"
+
+
+def _policy_logits(rank: int, world: int, recipe_path: str, toks: torch.Tensor) -> torch.Tensor:
+    from megatron_gspo.config import load_recipe
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+
+    recipe = load_recipe(recipe_path)
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    policy.load_weights(recipe.run.init_from)
+    policy.model.eval()
+    pos = torch.arange(toks.shape[1])[None].expand_as(toks)
+    with torch.no_grad():
+        return policy.model(toks, pos, _causal_mask(toks.shape[1])).float()
+
+
+def test_recipe_from_hf_starts_the_policy_at_the_hf_weights(hf_models, converted, tmp_path):
+    """model: {from_hf} takes the shape from config.json; run.init_from loads the weights."""
+    import yaml
+
+    work, models = hf_models
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"from_hf": str(work / "hf_moe")},
+                "run": {"init_from": str(work / "mg_moe")},
+                "memory": {"use_distributed_optimizer": False},
+            }
+        )
+    )
+    (ours,) = run_distributed(_policy_logits, 1, str(recipe), tokens())
+    diff = (ours - hf_logits(models["moe"], tokens())).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"policy logits differ from transformers by {diff:.3e}"
