@@ -183,11 +183,17 @@ class VLLMServer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            # The server spawns engine and worker processes into its session; end them too.
+            # SIGTERM to the whole session at once: the API server alone takes tens of
+            # seconds to wind its engine down (its "EngineDeadError" in the log is this).
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 self.proc.wait()
+        # Whatever of its session is left (it started them all in its own session).
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self._log.close()
