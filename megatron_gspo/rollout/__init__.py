@@ -26,4 +26,4 @@ def make_engine(recipe, policy) -> RolloutEngine:
         return LocalEngine(policy.model)
     from megatron_gspo.rollout.vllm import VLLMEngine
 
-    return VLLMEngine.from_recipe(recipe, policy)
+    return VLLMEngine(recipe.rollout.vllm, recipe.model, policy.model)
