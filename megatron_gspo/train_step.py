@@ -42,6 +42,7 @@ from megatron_gspo.policy import Policy
 _SEQ_METRICS = ("clip_fraction_seq", "seq_log_ratio_mean")
 _TOK_METRICS = ("clip_fraction_tok", "approx_kl", "entropy")
 _UNIT_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean")
+_MISMATCH = ("rollout_logprob_abs_diff", "rollout_kl_k3")
 
 
 @dataclass(frozen=True)
@@ -236,14 +237,29 @@ class GSPOTrainer:
                 stats.done()
             if replay:
                 set_replay(None)
-            return out, lambda logits: self._loss(logits, mb, plan.num_sequences, scale)
+            return out, lambda logits: self._loss(
+                logits, mb, plan.num_sequences, scale, mismatch=mismatch
+            )
 
+        # With the rollout's log-probs as old ones, the first mini-batch's forward is the
+        # pre-update policy: where the train/inference mismatch is measured for free.
+        mismatch = self.recipe.train.old_logprobs == "rollout" and p_idx == 0
         reports = self._schedule(plan, forward_step, forward_only=False)
         metrics = self.policy.optimizer_step()
-        metrics.update(self._reduce_reports(reports))
+        metrics.update(
+            self._reduce_reports(reports, extra_token_metrics=_MISMATCH if mismatch else ())
+        )
         return metrics
 
-    def _loss(self, logits: torch.Tensor, mb: MicroBatch, num_sequences: int, scale: int):
+    def _loss(
+        self,
+        logits: torch.Tensor,
+        mb: MicroBatch,
+        num_sequences: int,
+        scale: int,
+        *,
+        mismatch: bool = False,
+    ):
         lp, entropy = token_logprobs(
             logits, mb.targets, tp_group=self.groups.tp, return_entropy=True
         )
@@ -274,14 +290,22 @@ class GSPOTrainer:
         mask = mb.loss_mask
         metrics = dict(metrics)
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if mismatch:
+            d = (lp.detach() - mb.old_logprobs) * mask
+            count = mask.sum().clamp(min=1)
+            metrics["rollout_logprob_abs_diff"] = d.abs().sum() / count
+            metrics["rollout_kl_k3"] = ((d.exp() - 1 - d) * mask).sum() / count
         metrics["loss"] = loss.detach()
         return loss * scale, torch.tensor(1), metrics
 
-    def _reduce_reports(self, reports: list[dict]) -> dict[str, float]:
+    def _reduce_reports(
+        self, reports: list[dict], extra_token_metrics: tuple[str, ...] = ()
+    ) -> dict[str, float]:
         """Weighted sums over micro-batches here, then over data-parallel replicas."""
-        keys = [*_SEQ_METRICS, *_TOK_METRICS, *_UNIT_METRICS]
+        token_metrics = (*_TOK_METRICS, *extra_token_metrics)
+        keys = [*_SEQ_METRICS, *token_metrics, *_UNIT_METRICS]
         weights = {k: "num_valid_sequences" for k in _SEQ_METRICS}
-        weights.update({k: "num_valid_tokens" for k in _TOK_METRICS})
+        weights.update({k: "num_valid_tokens" for k in token_metrics})
         weights.update({k: self.unit_weight for k in _UNIT_METRICS})
         vec = torch.zeros(len(keys) + 3, dtype=torch.float64)
         peak = torch.zeros(1, dtype=torch.float64)

@@ -130,3 +130,17 @@ def test_routing_replay_forces_recorded_experts_and_zero_flip_rate():
     (replay_m,), _, _ = run_distributed(_step, 1, replayed, samples)[0]
     assert free_m["routing_flip_rate"] > 0, "the update changed no route; the test is vacuous"
     assert replay_m["routing_flip_rate"] == 0.0, "replay let the router choose other experts"
+
+
+def test_rollout_old_logprobs_still_measure_the_train_inference_mismatch():
+    """With one mini-batch, both modes see every sample under the pre-update weights."""
+    samples = rollout_batch(seed=7)
+    recompute = _one_minibatch(packing=True)
+    rollout = tiny_recipe(
+        optimizer=LINEAR_ADAM, train={"mini_batches": 1, "old_logprobs": "rollout"}
+    )
+    (mr,), start, _ = run_distributed(_step, 1, recompute, samples)[0]
+    (mo,), _, _ = run_distributed(_step, 1, rollout, samples, 1, start)[0]
+    for key in ("rollout_logprob_abs_diff", "rollout_kl_k3"):
+        assert abs(mo[key] - mr[key]) <= 1e-5 * abs(mr[key]), (key, mo[key], mr[key])
+    assert mr["rollout_logprob_abs_diff"] > 0.5, "the fixture's rollout log-probs are off-policy"
