@@ -146,12 +146,13 @@ def job_layout(
     *,
     trainer_nodes: int | None = None,
     rollout_nodes: int = 0,
-    colocated_rollout_gpus: int = 0,
+    rollout_gpus: int = 0,
     master_port: int = 29500,
     vllm_port: int = 8000,
 ) -> JobLayout:
     """Split the job's nodes: the first ``trainer_nodes`` train, the next ``rollout_nodes``
-    serve. ``trainer_nodes`` defaults to every node the rollout does not take."""
+    serve. ``trainer_nodes`` defaults to every node the rollout does not take; ``rollout_gpus``
+    instead puts a vLLM server on each trainer node's last GPUs."""
     nodes = list(nodes)
     if not nodes:
         raise LaunchError("the job has no nodes (is SLURM_JOB_NODELIST set?)")
@@ -171,7 +172,7 @@ def job_layout(
             f"{trainer_nodes} trainer + {rollout_nodes} rollout nodes requested, but the job "
             f"has {len(nodes)}: {','.join(nodes)}"
         )
-    if rollout_nodes and colocated_rollout_gpus:
+    if rollout_nodes and rollout_gpus:
         raise LaunchError(
             "rollout_gpus (vLLM beside the trainer) and rollout_nodes (vLLM on its own nodes) "
             "are two different layouts; set one"
@@ -183,7 +184,7 @@ def job_layout(
         master_addr=trainers[0],
         master_port=master_port,
         vllm_port=vllm_port,
-        colocated_rollout_gpus=colocated_rollout_gpus,
+        colocated_rollout_gpus=rollout_gpus,
     )
 
 
@@ -211,8 +212,12 @@ def assign_node(
     gpus_per_node: int,
     role: Role | None = None,
     nproc_per_node: int | None = None,
+    visible_devices: Sequence[str] | None = None,
 ) -> NodeAssignment:
-    """This node's role and rank. ``role`` picks one side of a node that does both."""
+    """This node's role and rank. ``role`` picks one side of a node that does both.
+
+    ``visible_devices`` is the CUDA_VISIBLE_DEVICES Slurm set; a split node hands out entries
+    of it (Slurm may give GPUs 4-7 of a shared node), not bare indices."""
     in_trainers = node in layout.trainer_nodes
     in_rollout = node in layout.rollout_nodes or (in_trainers and layout.colocated_rollout_gpus)
     if not (in_trainers or in_rollout):
@@ -254,7 +259,12 @@ def assign_node(
         nproc = split or gpus_per_node
         env = {}
     if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        ids = list(visible_devices) if visible_devices else [str(i) for i in range(gpus_per_node)]
+        if len(ids) < gpus_per_node:
+            raise LaunchError(
+                f"CUDA_VISIBLE_DEVICES lists {len(ids)} GPUs, expected {gpus_per_node}"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
     return NodeAssignment(
         role=role,
         node=node,
@@ -482,7 +492,7 @@ def launch(
             nodes,
             trainer_nodes=trainer_nodes,
             rollout_nodes=rollout_nodes,
-            colocated_rollout_gpus=rollout_gpus,
+            rollout_gpus=rollout_gpus,
             master_port=master_port or default_master_port(env.get("SLURM_JOB_ID")),
             vllm_port=vllm_port,
         )
@@ -492,6 +502,7 @@ def launch(
             gpus_per_node=gpus_on_node(env) if gpus_per_node is None else gpus_per_node,
             role=None if role == "auto" else role,  # type: ignore[arg-type]
             nproc_per_node=nproc_per_node,
+            visible_devices=[d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d],
         )
         if a.role == "trainer":
             if layout.vllm_urls and r.rollout.engine != "vllm":
