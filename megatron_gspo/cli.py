@@ -50,6 +50,72 @@ def validate(recipe: str, no_extras_check: bool) -> None:
     click.echo(f"{recipe}: ok")
 
 
+def _setup_logging() -> None:
+    import logging
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    # Megatron logs every parameter name and its full configs at INFO.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: the recipe's run.output_dir).",
+)
+@click.option(
+    "--resume/--no-resume",
+    default=True,
+    show_default=True,
+    help="Continue from the newest checkpoint in the run directory, if there is one.",
+)
+@click.option("--steps", type=int, default=None, help="Override run.steps.")
+def train(recipe: str, output_dir: str | None, resume: bool, steps: int | None) -> None:
+    """Train the policy of RECIPE with GSPO (one process, or one per rank under torchrun)."""
+    _setup_logging()
+    try:
+        r = load_recipe(recipe)
+        check_recipe_extras(r)
+    except (RecipeError, MissingExtraError) as e:
+        raise click.ClickException(str(e)) from None
+    from megatron_gspo.data.prompts import DataError
+    from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.train import train as run_training
+
+    try:
+        run_dir = run_training(
+            r, output_dir=output_dir or r.run.output_dir, resume=resume, steps=steps
+        )
+    except (DataError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        destroy_parallel()
+    click.echo(f"run directory: {run_dir}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path.")
+def plot(run_dir: str, out: str | None) -> None:
+    """Plot reward, clip fraction, KL, entropy, length and flip rate of RUN_DIR."""
+    from megatron_gspo.plot import plot_run
+
+    try:
+        click.echo(plot_run(run_dir, out))
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+
+
 main.add_command(launch)
 main.add_command(plan)
 

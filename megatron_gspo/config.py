@@ -186,6 +186,8 @@ class DataConfig(_Section):
     """Prompts: a built-in synthetic task, or a JSONL file of prompt/answer records."""
 
     task: str | None = None
+    # Passed to the synthetic task, e.g. {min_len: 2, max_len: 4}.
+    task_options: dict = {}
     path: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"

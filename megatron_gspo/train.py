@@ -1,0 +1,237 @@
+"""The GSPO loop: sample groups, score them, update the policy, sync, checkpoint, report.
+
+Every rank runs this function (``torchrun`` or a single process). One step:
+
+1. take the next prompts;
+2. the rollout engine samples ``group_size`` responses to each;
+3. rank 0 scores them with the reward functions and shares the rewards;
+4. group advantages ``A_i = (r_i - mean_group r) / (std_group r + eps)``;
+5. the trainer updates the policy with the recipe's loss (GSPO by default);
+6. the engine is given the new weights;
+7. metrics, and every ``run.checkpoint_every`` steps a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.checkpoint import Checkpointer
+from megatron_gspo.config import Recipe
+from megatron_gspo.data.packing import Sample
+from megatron_gspo.data.prompts import Prompt, PromptStream
+from megatron_gspo.data.rewards import RewardComputer
+from megatron_gspo.loss import group_advantages
+from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.parallel import init_parallel
+from megatron_gspo.policy import Policy
+from megatron_gspo.rollout import RolloutRequest, RolloutResult, SamplingParams, make_engine
+from megatron_gspo.train_step import GSPOTrainer
+
+log = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGTERM (Slurm pre-emption, ``scontrol requeue``): finish the step, save, exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum, frame) -> None:
+        self.requested = True
+
+    def any_rank(self) -> bool:
+        flag = torch.tensor([1 if self.requested else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def score(
+    result: RolloutResult,
+    prompts: list[Prompt],
+    stream: PromptStream,
+    rewards: RewardComputer | None,
+    recipe: Recipe,
+) -> tuple[list[Sample], dict[str, float]]:
+    """Rewards (computed on rank 0, shared with all), advantages, and the samples to train on."""
+    group = recipe.rollout.group_size
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        texts = [stream.tokenizer.decode(c.token_ids) for g in result.completions for c in g]
+        answers = [p.answer for p in prompts for _ in range(group)]
+        payload = [rewards(texts, answers)]
+    dist.broadcast_object_list(payload, src=0)
+    values, stats = payload[0]
+    r = torch.tensor(values, dtype=torch.float32)
+    adv = group_advantages(r, group, scale=recipe.loss.advantage_scale)
+    samples, k = [], 0
+    for p_idx, (prompt, completions) in enumerate(zip(prompts, result.completions, strict=True)):
+        for c in completions:
+            samples.append(
+                Sample(
+                    prompt_ids=prompt.token_ids,
+                    response_ids=c.token_ids,
+                    advantage=float(adv[k]),
+                    rollout_logprobs=c.logprobs,
+                    reward=values[k],
+                    prompt_index=p_idx,
+                )
+            )
+            k += 1
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    finished = [c.finish_reason == "stop" for g in result.completions for c in g]
+    per_group_std = r.view(-1, group).std(dim=1, unbiased=False) if group > 1 else torch.zeros(1)
+    metrics = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std(unbiased=False)),
+        "reward_max": float(r.max()),
+        "groups_without_signal": float((per_group_std == 0).float().mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "finished_fraction": sum(finished) / len(finished),
+        "reward_errors": float(stats.errors),
+        "reward_timeouts": float(stats.timeouts),
+    }
+    return samples, metrics
+
+
+def _empty_responses(result: RolloutResult) -> bool:
+    return any(not c.token_ids for g in result.completions for c in g)
+
+
+def train(
+    recipe: Recipe, *, output_dir: str | Path, resume: bool = True, steps: int | None = None
+) -> Path:
+    """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory."""
+    run_dir = Path(output_dir)
+    total = steps if steps is not None else recipe.run.steps
+    groups = init_parallel(recipe.parallel)
+    rank0 = dist.get_rank() == 0
+    if recipe.data is None:
+        raise ValueError("the recipe has no data section (data.task or data.path)")
+    stream = PromptStream(recipe.data, seed=recipe.rollout.seed)
+    if stream.tokenizer.vocab_size > recipe.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {stream.tokenizer.vocab_size} ids but model.vocab_size is "
+            f"{recipe.model.vocab_size}"
+        )
+    rewards = RewardComputer(recipe.reward) if rank0 else None
+    policy = Policy(recipe, groups)
+    trainer = GSPOTrainer(policy)
+    engine = make_engine(recipe, policy)
+    checkpoints = Checkpointer(run_dir / "checkpoints", policy, keep=recipe.run.keep_checkpoints)
+
+    start = 0
+    latest = checkpoints.latest_step() if resume else None
+    if latest is not None:
+        state = checkpoints.load(latest)
+        start, stream.position = latest, state["data_position"]
+        engine.sync_weights()
+        log.info("resumed from %s at step %d", checkpoints.dir, start)
+    elif rank0 and (run_dir / "checkpoints").exists() and not resume:
+        log.warning("%s has checkpoints; starting afresh because resume is off", run_dir)
+
+    logger = MetricsLogger(
+        run_dir,
+        enabled=rank0,
+        tensorboard=recipe.run.tensorboard,
+        wandb_project=recipe.run.wandb_project,
+        resume_step=start,
+        config=recipe.model_dump(),
+    )
+    if rank0:
+        (run_dir / "recipe.yaml").write_text(_yaml(recipe))
+    stop = StopFlag()
+    params = dict(
+        group_size=recipe.rollout.group_size,
+        temperature=recipe.rollout.temperature,
+        top_p=recipe.rollout.top_p,
+        max_new_tokens=recipe.rollout.max_new_tokens,
+        stop_token_ids=tuple(recipe.rollout.stop_token_ids or [stream.tokenizer.eos_id]),
+    )
+    bar = _progress(total, start, enabled=rank0)
+    step = start
+    for step in range(start + 1, total + 1):
+        t0 = time.perf_counter()
+        prompts = stream.next_batch(recipe.rollout.prompts_per_step)
+        request = RolloutRequest(
+            [p.token_ids for p in prompts],
+            SamplingParams(**params, seed=recipe.rollout.seed * 1_000_003 + step),
+        )
+        result = engine.generate(request)
+        if _empty_responses(result):
+            raise RuntimeError("the rollout engine returned an empty response")
+        samples, metrics = score(result, prompts, stream, rewards, recipe)
+        t1 = time.perf_counter()
+        metrics.update(trainer.step(samples))
+        engine.sync_weights()
+        t2 = time.perf_counter()
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        metrics.update(
+            time_rollout_s=t1 - t0,
+            time_train_s=t2 - t1,
+            step_time_s=t2 - t0,
+            train_tokens_per_s=tokens / max(t2 - t1, 1e-9),
+        )
+        logger.log(step, metrics)
+        _report(bar, step, total, metrics)
+        stopping = stop.any_rank()
+        if step % recipe.run.checkpoint_every == 0 or step == total or stopping:
+            checkpoints.save(step, {"data_position": stream.position})
+        if rank0 and recipe.run.plot_every and (step % recipe.run.plot_every == 0 or step == total):
+            _plot(run_dir)
+        if stopping:
+            log.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
+            break
+    if bar is not None:
+        bar.close()
+    logger.close()
+    engine.close()
+    if rewards is not None:
+        rewards.close()
+    return run_dir
+
+
+def _yaml(recipe: Recipe) -> str:
+    import yaml
+
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def _plot(run_dir: Path) -> None:
+    from megatron_gspo.plot import plot_run
+
+    try:
+        plot_run(run_dir)
+    except Exception as e:  # noqa: BLE001 - a failed plot must not end a training run
+        log.warning("plotting failed: %s", e)
+
+
+def _progress(total: int, start: int, *, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
+def _report(bar, step: int, total: int, m: dict[str, float]) -> None:
+    line = (
+        f"step {step}/{total}  reward {m['reward_mean']:.3f}  "
+        f"clip {m.get('clip_fraction', 0.0):.3f}  kl {m.get('approx_kl', 0.0):.2e}  "
+        f"len {m['response_length_mean']:.1f}  {m['step_time_s']:.2f}s"
+    )
+    if bar is not None:
+        bar.set_postfix_str(f"reward {m['reward_mean']:.3f}  {m['step_time_s']:.2f}s/step")
+        bar.update(1)
+        if step % 10 == 0:
+            bar.write(line)
+    elif dist.get_rank() == 0:
+        log.info(line)

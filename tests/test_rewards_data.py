@@ -1,0 +1,139 @@
+"""Reward functions, prompt datasets and tokenizers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_gspo.config import DataConfig, RewardConfig
+from megatron_gspo.data.prompts import DataError, PromptStream
+from megatron_gspo.data.rewards import (
+    RewardComputer,
+    digit_match,
+    exact_match,
+    extract_answer,
+    math_answer,
+    resolve_reward,
+)
+
+
+def test_builtin_rewards():
+    assert exact_match(" 42 ", "42") == 1.0 and exact_match("41", "42") == 0.0
+    assert digit_match("123", "123") == 1.0
+    assert digit_match("124", "123") == pytest.approx(2 / 3)
+    assert digit_match("12", "123") == pytest.approx(2 / 3)  # too short
+    assert digit_match("12345", "123") == pytest.approx(3 / 5)  # too long
+    assert extract_answer(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_answer("first 3 then 1,024") == "1,024"
+    assert math_answer(r"The answer is \boxed{1024}", "1024") == 1.0
+    assert math_answer("I think it is 7.", "7") == 1.0
+    assert math_answer("I think it is 8.", "7") == 0.0
+
+
+def raising_reward(response: str, answer: str) -> float:
+    if response == "boom":
+        raise RuntimeError("user code failed")
+    return 1.0
+
+
+def slow_reward(response: str, answer: str) -> float:
+    if response == "slow":
+        time.sleep(2.0)
+    return 0.5
+
+
+def test_reward_that_raises_or_times_out_scores_zero_and_is_counted():
+    cfg = RewardConfig(
+        functions=[
+            {"name": "tests.test_rewards_data:raising_reward"},
+            {"name": "tests.test_rewards_data:slow_reward", "weight": 2.0},
+        ],
+        timeout_s=0.3,
+    )
+    computer = RewardComputer(cfg)
+    rewards, stats = computer(["ok", "boom", "slow"], ["a", "b", "c"])
+    computer.close()
+    assert rewards == [2.0, 1.0, 1.0]
+    assert (stats.errors, stats.timeouts) == (1, 1)
+
+
+def test_unknown_or_unimportable_reward_is_refused_at_start():
+    with pytest.raises(ValueError, match="unknown reward 'exactmatch'"):
+        resolve_reward("exactmatch")
+    with pytest.raises(ValueError, match="cannot import 'no_such_module:fn'"):
+        resolve_reward("no_such_module:fn")
+
+
+def _jsonl(tmp_path, lines: list[str]):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("spm")
+    corpus = d / "corpus.txt"
+    corpus.write_text(
+        "\n".join(f"what is {a} plus {b} ? {a + b}" for a in range(30) for b in range(30))
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "tok"), vocab_size=48, minloglevel=2
+    )
+    return d / "tok.model"
+
+
+def test_malformed_jsonl_line_is_named(tmp_path, spm_model):
+    path = _jsonl(tmp_path, ['{"prompt": "a", "answer": "1"}', "{not json", "{}"])
+    with pytest.raises(DataError, match=rf"{path}:2: not valid JSON"):
+        PromptStream(DataConfig(path=str(path), tokenizer=str(spm_model)), seed=0)
+    path = _jsonl(tmp_path, ['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'])
+    with pytest.raises(DataError, match=rf"{path}:2: missing string field 'answer'"):
+        PromptStream(DataConfig(path=str(path), tokenizer=str(spm_model)), seed=0)
+
+
+def test_missing_dataset_file_is_named(tmp_path, spm_model):
+    with pytest.raises(DataError, match="nope.jsonl: dataset file not found"):
+        PromptStream(
+            DataConfig(path=str(tmp_path / "nope.jsonl"), tokenizer=str(spm_model)), seed=0
+        )
+
+
+def test_jsonl_stream_with_custom_keys_resumes_where_it_stopped(tmp_path, spm_model):
+    records = [json.dumps({"q": f"what is {i} plus 1 ?", "a": str(i + 1)}) for i in range(5)]
+    cfg = DataConfig(
+        path=str(_jsonl(tmp_path, records)),
+        tokenizer=str(spm_model),
+        prompt_key="q",
+        answer_key="a",
+    )
+    full = PromptStream(cfg, seed=3)
+    expected = [p.answer for p in full.next_batch(12)]
+    assert sorted(expected[:5]) == sorted(str(i + 1) for i in range(5)), "an epoch is a permutation"
+    first = PromptStream(cfg, seed=3)
+    got = [p.answer for p in first.next_batch(7)]
+    resumed = PromptStream(cfg, seed=3)
+    resumed.position = first.position
+    got += [p.answer for p in resumed.next_batch(5)]
+    assert got == expected
+    ids = full.next_batch(1)[0].token_ids
+    assert full.tokenizer.decode(ids).startswith("what is")
+
+
+def test_hf_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(
+        models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2, "there": 3}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    from megatron_gspo.data.tokenizer import load_tokenizer
+
+    t = load_tokenizer(tmp_path)
+    assert t.eos_id == 1 and t.encode("hi there") == [2, 3] and t.vocab_size == 4
