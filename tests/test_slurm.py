@@ -180,6 +180,12 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
         # not need to, so it makes the job eligible as soon as Slurm has it pending.
         _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the requeue", 120, job_id)
         first_run = _records(run_dir)
+        # Requeue SIGTERMs every process of the job; the trainer finishes its step and saves
+        # (KillWait in .ci/slurm-setup.sh leaves it 60 s), so there is a newer checkpoint.
+        saved_on_term = int(latest.read_text().strip())
+        assert saved_on_term > saved, (
+            f"no checkpoint written on SIGTERM (latest still {saved})\n{_logs(tmp_path)}"
+        )
         _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
     finally:
