@@ -209,3 +209,70 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
     assert latest.read_text().strip() == str(steps)
     batch_log = next(tmp_path.glob("batch-*.out")).read_text()
     assert " run 2 on " in batch_log, batch_log
+
+
+# The orchestration in slurm/job.sh (servers started, stopped when training ends, the job
+# failing when they die), with a stand-in for `megatron-gspo launch` so no GPU or vLLM is needed.
+_STUB = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+role = sys.argv[sys.argv.index("--role") + 1]
+mode = sys.argv[2]
+
+def stopped(*_):
+    (out / f"{role}-stopped").write_text("")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stopped)
+(out / f"{role}-started").write_text(" ".join(sys.argv[3:]))
+if role == "rollout":
+    if mode == "rollout_dies":
+        time.sleep(2)
+        sys.exit(3)
+    time.sleep(300)
+else:
+    time.sleep(3 if mode == "ok" else 300)
+"""
+
+
+def _submit_stub(tmp_path: Path, mode: str) -> str:
+    (tmp_path / "stub.py").write_text(_STUB)
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        f"RECIPE={REPO / 'recipes' / 'tiny-moe.yaml'}\n"
+        "ROLLOUT_GPUS=1\n"
+        f"GSPO='{sys.executable} {tmp_path / 'stub.py'} {tmp_path} {mode}'\n"
+        f"LOG_DIR={tmp_path / 'logs'}\n"
+        f"OUTPUT_DIR={tmp_path / 'run'}\n"
+        f"source {REPO / 'slurm' / 'job.sh'}\n"
+    )
+    cmd = ["sbatch", "--parsable", "--job-name=gspo-orch", f"--chdir={REPO}", "--requeue"]
+    cmd += [f"--output={tmp_path}/batch-%j.out", str(script)]
+    return _run(*cmd).strip().split(";")[0]
+
+
+@needs_slurm
+def test_job_stops_the_rollout_servers_when_training_ends(slurm_cluster, tmp_path) -> None:
+    job_id = _submit_stub(tmp_path, "ok")
+    try:
+        state = _wait(lambda: _finished(job_id), "the job to finish", 120, job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert state == "COMPLETED", _logs(tmp_path)
+    for marker in ["rollout-started", "trainer-started", "rollout-stopped"]:
+        assert (tmp_path / marker).exists(), f"no {marker}\n{_logs(tmp_path)}"
+    # The trainer got the vLLM split and the rendezvous flags.
+    assert "--rollout-gpus 1" in (tmp_path / "trainer-started").read_text()
+
+
+@needs_slurm
+def test_job_fails_and_stops_the_trainer_when_the_servers_die(slurm_cluster, tmp_path) -> None:
+    job_id = _submit_stub(tmp_path, "rollout_dies")
+    try:
+        state = _wait(lambda: _finished(job_id), "the job to finish", 180, job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert state == "FAILED", _logs(tmp_path)
+    assert (tmp_path / "trainer-stopped").exists(), f"trainer not stopped\n{_logs(tmp_path)}"
+    assert "the rollout servers exited" in next(tmp_path.glob("batch-*.out")).read_text()
