@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,27 @@ def _init_optimizer_state(policy: Policy) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(p)
 
 
+def _start_writer_queue_ignoring_sigterm() -> None:
+    """Start Megatron's checkpoint-writer results queue with SIGTERM ignored.
+
+    The first ``dist_checkpointing.save`` starts a multiprocessing ``Manager`` process and keeps
+    it. Slurm signals every process of a job (requeue, pre-emption, scancel), so that helper
+    would die with the SIGTERM whose point is to let the trainer save, and that save then fails
+    on a broken pipe. An ignored signal stays ignored across the helper's exec; SIGKILL still
+    ends it.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, policy: Policy, *, keep: int = 2) -> None:
+        _start_writer_queue_ignoring_sigterm()
         self.dir = Path(directory)
         self.policy = policy
         self.keep = keep

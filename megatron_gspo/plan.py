@@ -1,0 +1,421 @@
+"""``megatron-gspo plan``: will this recipe's layout divide and fit on N nodes of a given GPU?
+
+Two questions answered before a job queues for hours:
+
+1. Does the layout divide? The world (nodes x GPUs) must factor as TP x PP x CP x DP, and the
+   expert side as ETP x EP x PP x expert-DP (Megatron-Core's ``initialize_model_parallel`` builds
+   the expert groups from the same ranks as (DP x CP x TP) / ETP per pipeline stage, so
+   ETP x EP must divide TP x CP x DP); heads, query groups, vocabulary and FFN widths must
+   divide by TP (experts' FFN by ETP), layers by PP, experts by EP.
+2. Does it fit? Per-GPU memory of the most loaded pipeline stage, by component. The
+   assumptions are stated where each figure is computed and summarised in ``ASSUMPTIONS``.
+
+Parameter counts are exact for the model ``megatron_gspo.model.provider`` builds; memory
+figures for activations are estimates (see ``activation_bytes_per_token_layer``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import click
+
+from megatron_gspo.config import ModelConfig, Recipe
+
+GIB = 1024**3
+
+# Usable memory as nvidia-smi reports it (MiB): the H100 SXM "80 GB" and the H200 "141 GB".
+GPU_MEMORY_MIB = {"h100": 81_559, "h200": 143_771}
+
+# CUDA context, NCCL communicators and buffers, allocator fragmentation: measured runs of
+# Megatron MoE training on Hopper leave roughly this much beyond what tensors account for.
+RUNTIME_OVERHEAD_GIB = 5.0
+
+ASSUMPTIONS = """\
+assumptions:
+  weights      model dtype (bf16 with precision.bf16, else params_dtype), full per GPU's shard
+  grads        fp32 main-grad buffer (Megatron DDP, grad_reduce_in_fp32=True as in policy.py),
+               one full copy per GPU: the distributed optimizer reduce-scatters in place
+  optimizer    Adam: fp32 m and v, plus an fp32 master copy when weights are bf16; sharded over
+               DP x CP (dense) and expert-DP (experts) with the distributed optimizer
+  activations  per token and layer, bf16, flash attention (no s^2 scores), sequence parallel
+               splits every tensor by TP, balanced routing (k expert copies per token);
+               1F1B keeps PP micro-batches in flight on the first stage
+  logits       bf16 [tokens, vocab/TP] kept for backward + one fp32 copy
+  runtime      CUDA context, NCCL buffers, fragmentation: a flat 5 GiB
+  rollout      a colocated vLLM's share: --rollout-gpu-fraction x GPU memory"""
+
+
+class PlanError(ValueError):
+    """The layout does not divide, or does not fit; the message says which and by how much."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter counts, exact for our Qwen3-style GPTModel.
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of the whole (unsharded) model, by how they are sharded."""
+
+    embedding: int  # word embeddings [V, h]
+    output: int  # untied output layer [V, h]; 0 when tied
+    attention_per_layer: int  # QKV + output projection: split by TP
+    replicated_per_layer: int  # RMSNorm weights (2 x h, q/k-norm 2 x head_dim) and router
+    dense_mlp_per_layer: int  # SwiGLU fc1 (2f x h) + fc2 (h x f): split by TP
+    experts_per_layer: int  # all experts' SwiGLU: split by EP x ETP
+    final_norm: int
+    num_layers: int
+
+    @property
+    def total(self) -> int:
+        layer = self.attention_per_layer + self.replicated_per_layer
+        layer += self.dense_mlp_per_layer + self.experts_per_layer
+        return self.embedding + self.output + self.final_norm + self.num_layers * layer
+
+
+def count_parameters(m: ModelConfig) -> ParamCounts:
+    """Count from the architecture: GQA with QK-norm, no biases, SwiGLU, top-k router without
+    bias, RMSNorm weights only, untied embeddings unless configured otherwise."""
+    h, hd = m.hidden_size, m.head_dim
+    q, kv = m.num_attention_heads * hd, m.num_query_groups * hd
+    attention = h * (q + 2 * kv) + q * h
+    norms = 2 * h + 2 * hd  # input + pre-MLP RMSNorm, q-norm + k-norm (shared over heads)
+    if m.is_moe:
+        experts = m.num_experts * 3 * h * m.moe_ffn_hidden_size
+        router = m.num_experts * h
+        dense_mlp = 0
+    else:
+        experts, router = 0, 0
+        dense_mlp = 3 * h * m.ffn_hidden_size
+    return ParamCounts(
+        embedding=m.vocab_size * h,
+        output=m.vocab_size * h if m.untie_embeddings_and_output_weights else 0,
+        attention_per_layer=attention,
+        replicated_per_layer=norms + router,
+        dense_mlp_per_layer=dense_mlp,
+        experts_per_layer=experts,
+        final_norm=h,
+        num_layers=m.num_layers,
+    )
+
+
+def active_parameters(m: ModelConfig) -> int:
+    """Parameters a token passes through (top-k experts instead of all)."""
+    c = count_parameters(m)
+    per_expert = c.experts_per_layer // m.num_experts if m.is_moe else 0
+    per_layer = c.attention_per_layer + c.replicated_per_layer + c.dense_mlp_per_layer
+    per_layer += per_expert * (m.moe_router_topk if m.is_moe else 0)
+    return c.embedding + c.output + c.final_norm + m.num_layers * per_layer
+
+
+# --------------------------------------------------------------------------------------------
+# Layout.
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    expert_dp: int
+
+
+def check_world(recipe: Recipe, world: int) -> Layout:
+    """Factor ``world`` GPUs into the recipe's layout or raise naming what does not divide."""
+    p, m = recipe.parallel, recipe.model
+    tp, pp, cp = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+    )
+    ep = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    errors: list[str] = []
+
+    def need(value: int, by: int, what: str) -> None:
+        if by < 1 or value % by:
+            errors.append(f"{what}: {value} is not divisible by {by}")
+
+    need(world, tp * pp * cp, f"world size (nodes x GPUs) vs TP{tp} x PP{pp} x CP{cp}")
+    need(world, etp * ep * pp, f"world size vs ETP{etp} x EP{ep} x PP{pp}")
+    need(m.num_attention_heads, tp, "model.num_attention_heads vs TP")
+    need(m.num_query_groups, tp, "model.num_query_groups vs TP")
+    need(m.vocab_size, tp, "model.vocab_size vs TP")
+    need(m.num_layers, pp, "model.num_layers vs PP")
+    if m.is_moe:
+        need(m.num_experts, ep, "model.num_experts vs EP")
+        need(m.moe_ffn_hidden_size, etp, "model.moe_ffn_hidden_size vs ETP")
+        if tp > 1 and not p.sequence_parallel:
+            errors.append("MoE with TP > 1 needs parallel.sequence_parallel: true (Megatron-Core)")
+    else:
+        need(m.ffn_hidden_size, tp, "model.ffn_hidden_size vs TP")
+        if ep > 1:
+            errors.append(f"EP{ep} on a dense model: set expert_model_parallel_size to 1")
+    if cp > 1:
+        errors.append(
+            f"CP{cp}: the trainer does not support context parallelism yet (policy.py); use "
+            "TP or PP to cut activation memory instead"
+        )
+    if errors:
+        raise PlanError(f"layout does not divide on {world} GPUs:\n  " + "\n  ".join(errors))
+    return Layout(
+        world=world,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        etp=etp,
+        dp=world // (tp * pp * cp),
+        expert_dp=world // (etp * ep * pp),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Memory.
+
+
+def activation_bytes_per_token_layer(recipe: Recipe) -> float:
+    """Bytes one token leaves saved for backward in one layer, before TP splitting.
+
+    Our own accounting for this architecture, in the spirit of Korthikanti et al. (2022) but
+    counted tensor by tensor for GQA, QK-norm, SwiGLU and top-k MoE with flash attention
+    (which keeps no s x s scores), all in 2-byte activations:
+
+    attention  2 x [2h (norm in, QKV in) + (a + 2g) d (q, k, v) + (a + g) d (q, k after norm
+               and RoPE) + a d (attention out, projection in)]
+    MoE        2 x [2h (norm in, router in)] + 8 E (fp32 router logits and probabilities)
+               + 2 k [h (dispatched input) + 2f (fc1 out) + f (SwiGLU out) + h (expert out)]
+    dense MLP  2 x [2h + 2f + f]
+
+    Selective recompute removes what its modules would have saved: ``layernorm`` the two
+    norm outputs (2 x 2h), ``moe_act``/``mlp`` the SwiGLU output (2 k f, or 2 f dense),
+    ``moe``/``mlp`` the whole MLP except its input. ``core_attn`` saves nothing here because
+    flash attention stores no scores anyway.
+    """
+    m, mem = recipe.model, recipe.memory
+    h, d = m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads, m.num_query_groups
+    attn = 2 * (2 * h + (a + 2 * g) * d + (a + g) * d + a * d)
+    if m.is_moe:
+        k, f = m.moe_router_topk, m.moe_ffn_hidden_size
+        act = 2 * k * f
+        mlp = 2 * 2 * h + 8 * m.num_experts + 2 * k * (h + 2 * f + f + h)
+    else:
+        k, f = 1, m.ffn_hidden_size
+        act = 2 * f
+        mlp = 2 * (2 * h + 3 * f)
+    if mem.recompute_granularity == "selective":
+        modules = set(mem.recompute_modules or ["core_attn"])
+        if "layernorm" in modules:
+            attn -= 2 * h
+            mlp -= 2 * h
+        if {"moe", "mlp"} & modules:
+            mlp = 2 * h
+        elif "moe_act" in modules:
+            mlp -= act
+    return float(attn + mlp)
+
+
+@dataclass
+class MemoryPlan:
+    recipe_name: str
+    nodes: int
+    gpus_per_node: int
+    gpu: str
+    layout: Layout
+    params_total: int
+    params_active: int
+    params_per_gpu: int
+    expert_params_per_gpu: int
+    rows: dict[str, float] = field(default_factory=dict)  # bytes
+    capacity: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.rows.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def table(self) -> str:
+        lay = self.layout
+        lines = [
+            f"{self.recipe_name} on {self.nodes} x {self.gpus_per_node} {self.gpu.upper()} "
+            f"({lay.world} GPUs)",
+            f"  layout TP{lay.tp} PP{lay.pp} CP{lay.cp} DP{lay.dp}"
+            + (
+                f" | experts EP{lay.ep} ETP{lay.etp} expert-DP{lay.expert_dp}"
+                if self.expert_params_per_gpu
+                else " (dense)"
+            ),
+            f"  parameters {self.params_total / 1e9:.2f} B total, {self.params_active / 1e9:.2f} "
+            f"B active; on the fullest GPU {self.params_per_gpu / 1e9:.3f} B "
+            f"({self.expert_params_per_gpu / 1e9:.3f} B expert)",
+            "",
+            f"  {'component':<34}{'GiB/GPU':>10}",
+            f"  {'-' * 44}",
+        ]
+        for name, b in self.rows.items():
+            lines.append(f"  {name:<34}{b / GIB:>10.1f}")
+        lines.append(f"  {'-' * 44}")
+        lines.append(f"  {'total':<34}{self.total / GIB:>10.1f}")
+        lines.append(f"  {self.gpu.upper() + ' memory':<34}{self.capacity / GIB:>10.1f}")
+        head = (self.capacity - self.total) / GIB
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  {'headroom':<34}{head:>10.1f}   {verdict}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+
+def plan_memory(
+    recipe: Recipe,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str,
+    rollout_gpu_fraction: float = 0.0,
+    recipe_name: str = "recipe",
+) -> MemoryPlan:
+    """Per-GPU memory of the fullest pipeline stage; raises PlanError if the layout does not
+    divide. Whether it fits is ``MemoryPlan.fits`` (the command turns it into an exit code)."""
+    if gpu not in GPU_MEMORY_MIB:
+        raise PlanError(f"unknown GPU {gpu!r} (known: {', '.join(GPU_MEMORY_MIB)})")
+    if not 0.0 <= rollout_gpu_fraction < 1.0:
+        raise PlanError(f"rollout GPU fraction must be in [0, 1), got {rollout_gpu_fraction}")
+    m, lay = recipe.model, check_world(recipe, nodes * gpus_per_node)
+    c = count_parameters(m)
+    layers = m.num_layers // lay.pp
+
+    # The fullest stage: with PP1 it holds the embedding and the output layer; with PP > 1 the
+    # first holds the embedding and the last the output (or a tied copy), each V x h.
+    vocab_on_stage = c.embedding + (c.output if lay.pp == 1 else 0)
+    dense = vocab_on_stage // lay.tp
+    dense += layers * (
+        c.attention_per_layer // lay.tp + c.replicated_per_layer + c.dense_mlp_per_layer // lay.tp
+    )
+    dense += c.final_norm
+    expert = layers * c.experts_per_layer // (lay.ep * lay.etp)
+
+    bf16 = recipe.precision.bf16 or m.params_dtype == "bfloat16"
+    w_bytes = 2 if bf16 else 4
+    # Adam m and v in fp32, plus an fp32 master copy of bf16 weights.
+    opt_bytes = 8 + (4 if bf16 else 0)
+    if recipe.memory.use_distributed_optimizer:
+        opt = opt_bytes * (dense / (lay.dp * lay.cp) + expert / lay.expert_dp)
+    else:
+        opt = opt_bytes * (dense + expert)
+
+    # Activations: tokens of one micro-batch on this GPU, times layers, times micro-batches
+    # in flight (1F1B keeps up to PP of them on the first stage).
+    tokens = recipe.train.micro_batch_tokens / lay.cp
+    per_layer = activation_bytes_per_token_layer(recipe) * tokens / lay.tp
+    mem = recipe.memory
+    if mem.recompute_granularity == "full":
+        # Only each recompute chunk's input is kept (2h per token), plus one chunk's
+        # activations live while it is recomputed in backward.
+        n = mem.recompute_num_layers or 1
+        chunk_input = 2 * m.hidden_size * tokens / lay.tp
+        if mem.recompute_method == "uniform":
+            stored = math.ceil(layers / n) * chunk_input + min(n, layers) * per_layer
+        else:  # block: the first n layers of the stage are recomputed, the rest are kept
+            n = min(n, layers)
+            stored = n * chunk_input + (layers - n) * per_layer + (per_layer if n else 0)
+        acts = stored * lay.pp
+    else:
+        acts = layers * per_layer * lay.pp
+    logits = 6 * tokens * m.vocab_size / lay.tp
+
+    capacity = GPU_MEMORY_MIB[gpu] * 1024**2
+    rows = {
+        f"weights ({'bf16' if bf16 else 'fp32'})": w_bytes * (dense + expert),
+        "grads (fp32 main grads)": 4.0 * (dense + expert),
+        "optimizer (fp32 master + Adam m, v)" if bf16 else "optimizer (Adam m, v)": opt,
+        f"activations ({mem.recompute_granularity or 'no'} recompute)": acts,
+        "logits (bf16 + fp32)": logits,
+        "runtime (CUDA, NCCL, fragmentation)": RUNTIME_OVERHEAD_GIB * GIB,
+    }
+    if rollout_gpu_fraction:
+        rows[f"colocated rollout ({rollout_gpu_fraction:.0%})"] = rollout_gpu_fraction * capacity
+    plan = MemoryPlan(
+        recipe_name=recipe_name,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu,
+        layout=lay,
+        params_total=c.total,
+        params_active=active_parameters(m),
+        params_per_gpu=dense + expert,
+        expert_params_per_gpu=expert,
+        rows=rows,
+        capacity=capacity,
+    )
+    seqs = recipe.rollout.prompts_per_step * recipe.rollout.group_size
+    per_mini = seqs // recipe.train.mini_batches
+    if per_mini < lay.dp:
+        plan.notes.append(
+            f"a mini-batch has {per_mini} sequences for DP{lay.dp}: some data-parallel ranks "
+            "get none; raise rollout.prompts_per_step or lower train.mini_batches"
+        )
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# The command.
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--nodes", type=int, required=True, help="Trainer nodes.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpu", type=click.Choice(sorted(GPU_MEMORY_MIB)), default="h100", show_default=True)
+@click.option(
+    "--rollout-gpu-fraction",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of each GPU a colocated vLLM reserves (its --gpu-memory-utilization).",
+)
+@click.option("--assumptions/--no-assumptions", default=True, show_default=True)
+def plan(
+    recipe: str,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str,
+    rollout_gpu_fraction: float,
+    assumptions: bool,
+) -> None:
+    """Check that RECIPE's layout divides NODES x GPUS and estimate memory per GPU.
+
+    Exits 1 when the layout does not divide or the estimate exceeds the GPU's memory."""
+    from megatron_gspo.config import RecipeError, load_recipe
+
+    try:
+        r = load_recipe(recipe)
+        p = plan_memory(
+            r,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu=gpu,
+            rollout_gpu_fraction=rollout_gpu_fraction,
+            recipe_name=recipe,
+        )
+    except (RecipeError, PlanError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(p.table())
+    if assumptions:
+        click.echo(ASSUMPTIONS)
+    if not p.fits:
+        raise click.ClickException(
+            f"{recipe}: needs {p.total / GIB:.1f} GiB per GPU, {gpu.upper()} has "
+            f"{p.capacity / GIB:.1f} GiB; add nodes (more DP shards the optimizer), raise "
+            "EP/TP/PP, enable recompute or lower train.micro_batch_tokens"
+        )
