@@ -257,7 +257,9 @@ def assign_node(
         nodes = layout.rollout_nodes or layout.trainer_nodes
         devices = tuple(range(gpus_per_node - split, gpus_per_node)) if split else None
         nproc = split or gpus_per_node
-        env = {}
+        # The trainer's weight sync calls /collective_rpc (reload_weights), which vLLM only
+        # serves in its development mode (see megatron_gspo/rollout/vllm.py).
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
     if devices is not None:
         ids = list(visible_devices) if visible_devices else [str(i) for i in range(gpus_per_node)]
         if len(ids) < gpus_per_node:
