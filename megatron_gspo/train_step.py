@@ -64,7 +64,7 @@ def _loss_kwargs(loss: LossConfig) -> dict:
     return kwargs
 
 
-def _reports_metrics(policy: Policy) -> bool:
+def _reports_metrics() -> bool:
     """One rank per data-parallel replica contributes metrics: TP ranks hold copies."""
     return (
         parallel_state.is_pipeline_last_stage()
@@ -165,13 +165,15 @@ class GSPOTrainer:
 
     @torch.no_grad()
     def compute_old_logprobs(self, plans: list[MiniBatchPlan]) -> dict[str, float]:
-        """Fill ``sample.old_logprobs`` with the pre-update policy's log-probs (last stage).
+        """Put the pre-update policy's log-probs into every micro-batch (on the last stage).
 
-        Also records every micro-batch's routes, and measures the train/rollout mismatch.
+        Also records every micro-batch's routes, and measures the train/rollout mismatch
+        against the rollout log-probs the micro-batches were built with.
         """
         stats = self.policy.router_stats
         if stats is not None:
             stats.clear()
+        diff = torch.zeros(3, dtype=torch.float64)  # sum |d|, sum k3(d), tokens
         self.policy.train(False)
         for p_idx, plan in enumerate(plans):
 
@@ -191,31 +193,20 @@ class GSPOTrainer:
 
             for rep in self._schedule(plan, forward_step, forward_only=True):
                 mb = plan.microbatches[rep["mb"]]
-                for j, values in zip(
-                    mb.sample_indices, mb.token_values(rep["logprobs"]), strict=True
-                ):
-                    plan.samples[j].old_logprobs = values.detach().float().clone()
+                lp = rep["logprobs"].float() * mb.loss_mask
+                if mb.has_rollout_logprobs and _reports_metrics():
+                    d = (lp - mb.old_logprobs).double()
+                    k3 = (d.exp() - 1 - d) * mb.loss_mask
+                    diff += torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
+                mb.old_logprobs = lp
         self.policy.train(True)
-        return self._rollout_mismatch([s for p in plans for s in p.samples])
-
-    def _rollout_mismatch(self, samples: list[Sample]) -> dict[str, float]:
-        diff_sum = torch.zeros(3, dtype=torch.float64)  # |Δ| sum, tokens, k3 sum
-        if _reports_metrics(self.policy):
-            for s in samples:
-                if s.rollout_logprobs is None or s.old_logprobs is None:
-                    continue
-                d = s.old_logprobs.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
-                diff_sum += torch.stack(
-                    [d.abs().sum(), torch.tensor(float(d.numel())), (d.exp() - 1 - d).sum()]
-                )
-        # Samples are replicated over data-parallel ranks in the plan, but each rank only
-        # computed its own: sum over the world, counting one rank per replica.
-        dist.all_reduce(diff_sum)
-        if diff_sum[1] == 0:
+        # Each replica measured its own samples, once: sum over the world.
+        dist.all_reduce(diff)
+        if diff[2] == 0:
             return {}
         return {
-            "rollout_logprob_abs_diff": float(diff_sum[0] / diff_sum[1]),
-            "rollout_kl_k3": float(diff_sum[2] / diff_sum[1]),
+            "rollout_logprob_abs_diff": float(diff[0] / diff[2]),
+            "rollout_kl_k3": float(diff[1] / diff[2]),
         }
 
     def train_minibatch(self, p_idx: int, plan: MiniBatchPlan) -> dict[str, float]:
@@ -309,7 +300,7 @@ class GSPOTrainer:
         weights.update({k: self.unit_weight for k in _UNIT_METRICS})
         vec = torch.zeros(len(keys) + 3, dtype=torch.float64)
         peak = torch.zeros(1, dtype=torch.float64)
-        if _reports_metrics(self.policy):
+        if _reports_metrics():
             for r in reports:
                 if float(r["num_valid_sequences"]) == 0:
                     continue
@@ -330,22 +321,19 @@ class GSPOTrainer:
     # ---------------------------------------------------------------- the step
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch: old log-probs, then one optimizer step per mini-batch."""
+        from_rollout = self.recipe.train.old_logprobs == "rollout"
+        if from_rollout and any(s.rollout_logprobs is None for s in samples):
+            raise ValueError("train.old_logprobs=rollout needs log-probs from the rollout engine")
+        # Micro-batches carry the rollout's log-probs as old ones until recomputed.
         plans = self.plan(samples)
         metrics: dict[str, float] = {}
-        if self.recipe.train.old_logprobs == "recompute":
+        if not from_rollout:
             metrics.update(self.compute_old_logprobs(plans))
-        else:
-            for s in samples:
-                if s.rollout_logprobs is None:
-                    raise ValueError(
-                        "train.old_logprobs=rollout needs log-probs from the rollout engine"
-                    )
-                s.old_logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         stats = self.policy.router_stats
         if stats is not None:
             stats.reset_counts()
         per_mini = defaultdict(list)
-        for p_idx, plan in enumerate(self.plan_with_old_logprobs(plans)):
+        for p_idx, plan in enumerate(plans):
             for k, v in self.train_minibatch(p_idx, plan).items():
                 per_mini[k].append(v)
         metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
@@ -353,15 +341,6 @@ class GSPOTrainer:
         if stats is not None:
             metrics.update(self._router_metrics())
         return metrics
-
-    def plan_with_old_logprobs(self, plans: list[MiniBatchPlan]) -> list[MiniBatchPlan]:
-        """Rebuild the micro-batch tensors now that the samples carry old log-probs."""
-        return [
-            MiniBatchPlan(
-                p.samples, p.per_rank, self._build(p.samples, p.per_rank), p.num_sequences
-            )
-            for p in plans
-        ]
 
     def _router_metrics(self) -> dict[str, float]:
         stats = self.policy.router_stats

@@ -32,8 +32,6 @@ class Sample:
     advantage: float = 0.0
     # Per response token, under the sampling engine; optional.
     rollout_logprobs: list[float] | None = None
-    # Per response token, under the pre-update training policy; filled by the trainer.
-    old_logprobs: torch.Tensor | None = None
     reward: float = 0.0
     # Index of the prompt the sample answers (groups share it).
     prompt_index: int = 0
@@ -52,7 +50,9 @@ class MicroBatch:
     targets: torch.Tensor  # [b, s]
     loss_mask: torch.Tensor  # [b, s] float, 1 on response targets
     advantages: torch.Tensor  # [num_seqs]
-    old_logprobs: torch.Tensor  # [b, s] aligned with targets, 0 where not scored
+    # [b, s] aligned with targets, 0 where not scored: the rollout's log-probs where every
+    # sample has them (has_rollout_logprobs), until the trainer recomputes them.
+    old_logprobs: torch.Tensor
     # Packed only: [num_seqs + 1] boundaries in the single row.
     cu_seqlens: torch.Tensor | None
     # Which samples of the mini-batch are in here, in order.
@@ -62,21 +62,11 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    has_rollout_logprobs: bool = False
+
     @property
     def num_sequences(self) -> int:
         return len(self.sample_indices)
-
-    def token_values(self, per_token: torch.Tensor) -> list[torch.Tensor]:
-        """Split a ``[b, s]`` per-position tensor into each sample's response-token values."""
-        out = []
-        for j in range(self.num_sequences):
-            if self.packed:
-                row = per_token[0, self.cu_seqlens[j] : self.cu_seqlens[j + 1]]
-                m = self.loss_mask[0, self.cu_seqlens[j] : self.cu_seqlens[j + 1]]
-            else:
-                row, m = per_token[j], self.loss_mask[j]
-            out.append(row[m.bool()])
-        return out
 
 
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
@@ -143,13 +133,7 @@ def _sequence_arrays(s: Sample) -> tuple[list[int], list[int], list[float], list
     p = len(s.prompt_ids)
     inputs, targets = ids[:-1], ids[1:]
     mask = [0.0] * (p - 1) + [1.0] * len(s.response_ids)
-    old = [0.0] * (p - 1)
-    if s.old_logprobs is not None:
-        old += [float(x) for x in s.old_logprobs]
-    elif s.rollout_logprobs is not None:
-        old += list(s.rollout_logprobs)
-    else:
-        old += [0.0] * len(s.response_ids)
+    old = [0.0] * (p - 1) + list(s.rollout_logprobs or [0.0] * len(s.response_ids))
     return inputs, targets, mask, old
 
 
@@ -200,6 +184,7 @@ def build_microbatch(
             sample_indices=[],
         )
     arrays = [_sequence_arrays(samples[i]) for i in indices]
+    has_rollout = all(samples[i].rollout_logprobs is not None for i in indices)
     advantages = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)
     if packing:
         lens = [len(a[0]) for a in arrays]
@@ -226,6 +211,7 @@ def build_microbatch(
             old_logprobs=row([a[3] for a in arrays], 0.0),
             cu_seqlens=cu,
             sample_indices=list(indices),
+            has_rollout_logprobs=has_rollout,
         )
     # Empty rows (fixed shapes) are sequences with no tokens: they contribute nothing.
     empty = max(0, (rows or 0) - len(arrays))
@@ -246,4 +232,5 @@ def build_microbatch(
         old_logprobs=pad([a[3] for a in arrays], 0.0),
         cu_seqlens=None,
         sample_indices=list(indices),
+        has_rollout_logprobs=has_rollout,
     )
