@@ -105,7 +105,9 @@ def _tp_group(info: ShardInfo) -> dist.ProcessGroup:
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _unshard_tp(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+def unshard_tp(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The full tensor from this rank's (expert-)tensor-parallel shard; collective over that
+    group, and the inverse of :func:`slice_full`."""
     if info.partition_dim is None:
         return local
     parts = [torch.empty_like(local) for _ in range(info.tp_size)]
@@ -133,7 +135,7 @@ def gather_full_state_dict(
         value = getattr(param, "main_grad", param.grad) if grads else param.data
         if value is None:
             value = torch.zeros_like(param)
-        local[info.full_name] = _unshard_tp(value.detach(), info)
+        local[info.full_name] = unshard_tp(value.detach(), info)
     # Experts and pipeline stages: every rank holds a disjoint set of full names; exchange them.
     # The same full tensor may be held by several ranks (data/tensor replicas); they agree.
     gathered: list[dict[str, torch.Tensor]] = [None] * dist.get_world_size()  # type: ignore[list-item]

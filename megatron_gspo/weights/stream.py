@@ -7,7 +7,7 @@ step. Here only the destination rank ever holds a full tensor, and only one at a
 1. Once per call, every rank tells the others which full tensors it holds (names only). The
    owner of a name is the lowest global rank that holds a shard of it.
 2. Then, in the model's order (:attr:`HFMapping.maps`), each tensor is assembled by its
-   (expert-)tensor-parallel group with an all-gather (see ``shards._unshard_tp``), and the
+   (expert-)tensor-parallel group with an all-gather (see ``shards.unshard_tp``), and the
    owner sends it to the destination with a point-to-point ``send``.
 
 Every rank runs the same sequence of blocking operations in the same global order, so the
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.weights.hf import HFMapping
-from megatron_gspo.weights.shards import _unshard_tp, shard_infos
+from megatron_gspo.weights.shards import shard_infos, unshard_tp
 
 __all__ = ["iter_full_tensors"]
 
@@ -60,7 +60,7 @@ def iter_full_tensors(
         full = None
         if name in local:
             param, info = local[name]
-            full = _unshard_tp(param.detach(), info)
+            full = unshard_tp(param.detach(), info)
         src = owner[name]
         if src == dst:
             if rank == dst:
