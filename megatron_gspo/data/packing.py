@@ -161,7 +161,8 @@ def build_microbatch(
     width: int | None = None,
     rows: int | None = None,
 ) -> MicroBatch:
-    """Tensors for one micro-batch. An empty ``indices`` gives a filler batch with no loss.
+    """Tensors for one micro-batch. An empty ``indices`` gives a filler batch with no loss
+    (all padding), which the general paths below build like any other.
 
     ``pad_to_multiple`` rounds the sequence dimension up (sequence parallelism splits it over
     tensor-parallel ranks); ``width`` and ``rows`` pad to a fixed shape (pipeline stages that
@@ -169,22 +170,8 @@ def build_microbatch(
     """
     natural = microbatch_width(samples, indices, packing=packing)
     width = _round_up(max(natural, width or 0), pad_to_multiple)
-    if not indices:
-        b = 1 if packing else (rows or 1)
-        zero = torch.zeros(b, width, dtype=torch.long)
-        return MicroBatch(
-            tokens=zero,
-            position_ids=torch.arange(width).expand(b, width).clone(),
-            attention_mask=_causal(width)[None, None],
-            targets=zero.clone(),
-            loss_mask=torch.zeros(b, width),
-            advantages=torch.zeros(0),
-            old_logprobs=torch.zeros(b, width),
-            cu_seqlens=torch.zeros(1, dtype=torch.int32) if packing else None,
-            sample_indices=[],
-        )
     arrays = [_sequence_arrays(samples[i]) for i in indices]
-    has_rollout = all(samples[i].rollout_logprobs is not None for i in indices)
+    has_rollout = bool(indices) and all(samples[i].rollout_logprobs is not None for i in indices)
     advantages = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)
     if packing:
         lens = [len(a[0]) for a in arrays]
@@ -213,8 +200,9 @@ def build_microbatch(
             sample_indices=list(indices),
             has_rollout_logprobs=has_rollout,
         )
-    # Empty rows (fixed shapes) are sequences with no tokens: they contribute nothing.
-    empty = max(0, (rows or 0) - len(arrays))
+    # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
+    # contribute nothing.
+    empty = max(0, (rows or 1) - len(arrays))
     arrays += [([], [], [], [])] * empty
     advantages = torch.cat([advantages, torch.zeros(empty)])
 
