@@ -2,10 +2,11 @@
 
 A checkpoint is ``iter_NNNNNNN/`` holding the model and optimizer as a Megatron-Core
 distributed checkpoint (each rank writes its shards), the LR schedule, the data position and
-every rank's RNG state. It is written into ``.iter_NNNNNNN.tmp`` and renamed into place only
-when every rank has finished; ``latest`` names the newest complete one and is replaced
-atomically after the rename. A process killed mid-save therefore leaves the previous
-checkpoint as ``latest``, and the next save or load removes the debris.
+every rank's random generator states (:mod:`megatron_gspo.rng`). It is written into
+``.iter_NNNNNNN.tmp`` and renamed into place only when every rank has finished; ``latest``
+names the newest complete one and is replaced atomically after the rename. A process killed
+mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
+removes the debris.
 
 The optimizer uses Megatron's ``dp_reshardable`` format: fully parallel and resumable with the
 same layout or another data-parallel size, not with other TP/PP/EP sizes (convert through the
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_gspo.policy import Policy
+from megatron_gspo.rng import get_rng_state, set_rng_state
 
 _OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 LATEST = "latest"
@@ -124,7 +126,7 @@ class Checkpointer:
             tmp.mkdir()
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(loading=False), str(tmp))
-        torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
+        torch.save(get_rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
         if self.rank == 0:
             state = {
                 "step": step,
@@ -156,7 +158,11 @@ class Checkpointer:
         self.policy.scheduler.load_state_dict(state.pop("scheduler"))
         rng = path / f"rng_rank{self.rank:05d}.pt"
         if rng.is_file():
-            torch.set_rng_state(torch.load(rng))
+            saved = torch.load(rng, weights_only=True)
+            if isinstance(saved, dict):
+                set_rng_state(saved)
+            else:  # written before every generator was saved: torch's CPU state alone
+                torch.set_rng_state(saved)
         dist.barrier()
         return state
 
