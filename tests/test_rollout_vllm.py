@@ -5,7 +5,9 @@ grouped samples with exact token ids and the policy's own log-probs (compared wi
 teacher-forced transformers forward), a weight sync after which the server samples exactly what
 the Megatron trainer would, and a prompt, clear failure when a server is down.
 
-Skipped only when ``vllm`` is not importable; ``.ci/vllm-setup.sh`` builds the environment.
+The tests that start a server skip where ``vllm`` is not importable (``.ci/vllm-setup.sh``
+builds the environment); those that need no server (a server that is down is reported promptly,
+on every rank) run everywhere: the client is plain HTTP.
 """
 
 from __future__ import annotations
@@ -16,12 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "vllm is not installed (see .ci/vllm-setup.sh for the vLLM test environment)",
-        allow_module_level=True,
-    )
 
 from megatron_gspo.config import ParallelConfig, VLLMConfig
 from megatron_gspo.rollout import RolloutRequest, SamplingParams
@@ -39,6 +35,11 @@ from tests.vllm_tiny import (
     VLLMServer,
     free_port,
     write_tiny_model,
+)
+
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm is not installed (see .ci/vllm-setup.sh for the vLLM test environment)",
 )
 
 SERVER_START_TIMEOUT_S = 300
@@ -117,6 +118,7 @@ def _hf_model(model_dir: Path) -> torch.nn.Module:
     return _HF_MODELS[model_dir]
 
 
+@requires_vllm
 def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, moe_dir):
     client = _client(moe_server)
     params = SamplingParams(
@@ -141,6 +143,7 @@ def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, m
     assert worst < LOGPROB_ATOL, f"vLLM log-probs differ from the HF forward by {worst:.2e}"
 
 
+@requires_vllm
 def test_same_seed_same_samples(moe_server):
     client = _client(moe_server)
     params = SamplingParams(group_size=3, temperature=1.0, max_new_tokens=6, seed=11)
@@ -209,6 +212,7 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel) -> None:
     assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
 
 
+@requires_vllm
 @pytest.mark.parametrize(
     "world,parallel",
     [(1, ParallelConfig()), (2, ParallelConfig(tensor_model_parallel_size=2))],
@@ -220,6 +224,7 @@ def test_after_sync_weights_the_server_samples_what_the_trainer_would(
     _check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, world, parallel)
 
 
+@requires_vllm
 @pytest.mark.xfail(
     strict=True,
     reason="vLLM 0.32 CPU: reload_weights into a running MoE model leaves wrong expert "

@@ -153,3 +153,50 @@ def test_rollout_old_logprobs_still_measure_the_train_inference_mismatch():
     for key in ("rollout_logprob_abs_diff", "rollout_kl_k3"):
         assert abs(mo[key] - mr[key]) <= 1e-5 * abs(mr[key]), (key, mo[key], mr[key])
     assert mr["rollout_logprob_abs_diff"] > 0.5, "the fixture's rollout log-probs are off-policy"
+
+
+def _old_logprob_pass(rank: int, world: int, recipe: Recipe, samples):
+    """The mismatch metrics of the old-log-prob pass, and each sample's response log-probs
+    from a plain full-vocabulary ``log_softmax`` of the same policy."""
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+    from megatron_gspo.train_step import GSPOTrainer
+
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    trainer = GSPOTrainer(policy)
+    metrics = trainer.compute_old_logprobs(trainer.plan(samples))
+    policy.train(False)
+    reference = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            n = ids.shape[1] - 1
+            mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+            logits = policy.model(ids[:, :-1], torch.arange(n)[None], mask)[0].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            reference.append(lp[len(s.prompt_ids) - 1 :])
+    return metrics, reference
+
+
+def test_rollout_mismatch_metrics_follow_their_formulas():
+    """d = log pi_train - log pi_rollout per response token: ``rollout_kl_k3`` is
+    mean(exp(d) - 1 - d) (the k3 estimator of KL(rollout || train), >= 0) and
+    ``rollout_logprob_abs_diff`` is mean |d|; both over all response tokens of the batch."""
+    samples = rollout_batch(seed=9)
+    recipe = _one_minibatch(packing=True)
+    metrics, reference = run_distributed(_old_logprob_pass, 1, recipe, samples)[0]
+    d = torch.cat(
+        [
+            ref.double() - torch.tensor(s.rollout_logprobs).double()
+            for s, ref in zip(samples, reference, strict=True)
+        ]
+    )
+    expected = {
+        "rollout_kl_k3": float((d.exp() - 1 - d).mean()),
+        "rollout_logprob_abs_diff": float(d.abs().mean()),
+    }
+    assert expected["rollout_kl_k3"] > 0.1, "the fixture is too close to on-policy to tell"
+    for key, value in expected.items():
+        assert abs(metrics[key] - value) <= 1e-5 * value, (
+            f"{key} = {metrics[key]:.6g}, expected {value:.6g} from its formula"
+        )
