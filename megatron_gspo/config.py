@@ -162,9 +162,27 @@ class VLLMConfig(_Section):
     model: str | None = None
     request_timeout_s: float = 600.0
     max_retries: int = 3
-    # A directory that the trainer and the servers both see; each weight sync writes a
-    # Hugging Face checkpoint there and asks the servers to load it.
+    # How the trainer's weights reach the servers after each step: in memory over a process
+    # group of the trainer's rank 0 and every server worker (gloo on CPU, NCCL on GPU), or as
+    # a Hugging Face checkpoint written to sync_dir and reloaded by the servers.
+    weight_sync: Literal["collective", "disk"] = "collective"
+    # Collective: tensors are sent in flat buckets of at most this size.
+    bucket_mb: float = 512.0
+    # Collective: how long forming the group or one sync may take before it fails.
+    sync_timeout_s: float = 600.0
+    # Collective: the address the servers reach the trainer's rank 0 at (default: MASTER_ADDR,
+    # else this host's name).
+    sync_host: str | None = None
+    # Disk: a directory that the trainer and the servers both see.
     sync_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check_sync(self) -> VLLMConfig:
+        if self.weight_sync == "disk" and self.sync_dir is None:
+            raise ValueError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"rollout.vllm.bucket_mb must be > 0, got {self.bucket_mb}")
+        return self
 
 
 class RolloutConfig(_Section):

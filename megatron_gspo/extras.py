@@ -26,5 +26,5 @@ def check_recipe_extras(recipe) -> None:
     """Fail early, before any process group exists, when a recipe needs a missing extra."""
     if recipe.precision.fp8:
         require_extra("transformer_engine", f"FP8 training (precision.fp8={recipe.precision.fp8})")
-    if recipe.rollout.engine == "vllm":
-        require_extra("vllm", "The vLLM rollout engine (rollout.engine=vllm)")
+    # rollout.engine=vllm needs nothing here: the trainer talks HTTP and torch.distributed to
+    # the servers, and only the machines that serve need vllm (launch --role rollout checks).

@@ -133,12 +133,13 @@ def train(
     if latest is not None:
         state = checkpoints.load(latest)
         start, stream.position = latest, state["data_position"]
-        engine.sync_weights()
         log.info("resumed from %s at step %d", checkpoints.dir, start)
     elif recipe.run.init_from:
         policy.load_weights(recipe.run.init_from)
-        engine.sync_weights()
         log.info("initial weights from %s", recipe.run.init_from)
+    # Whatever a server loaded at start-up, it samples from the trainer's weights from here on;
+    # the weights version is the number of steps applied.
+    engine.sync_weights(start)
 
     logger = MetricsLogger(
         run_dir,
@@ -173,7 +174,7 @@ def train(
         samples, metrics = score(result, prompts, stream, rewards, recipe)
         t1 = time.perf_counter()
         metrics.update(trainer.step(samples))
-        engine.sync_weights()
+        engine.sync_weights(step)
         t2 = time.perf_counter()
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         metrics.update(

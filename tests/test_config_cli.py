@@ -77,10 +77,7 @@ def test_cli_help_and_import_need_no_gpu_extras():
 
 @pytest.mark.parametrize(
     "section,value,extra_module",
-    [
-        ("precision", {"fp8": "hybrid"}, "transformer_engine"),
-        ("rollout", {"engine": "vllm"}, "vllm"),
-    ],
+    [("precision", {"fp8": "hybrid"}, "transformer_engine")],
 )
 def test_recipe_needing_a_missing_extra_fails_naming_the_extra(
     tmp_path, section, value, extra_module

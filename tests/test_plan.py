@@ -149,8 +149,6 @@ def test_shipped_gpu_recipes_validate(recipe):
     from megatron_gspo.cli import main
 
     assert CliRunner().invoke(main, ["validate", "--no-extras-check", str(recipe)]).exit_code == 0
-    # Without the flag: valid (0) where vLLM is installed, "needs the gpu extra" (3) elsewhere.
+    # Without the flag too: a trainer that samples from vLLM servers needs no vllm itself.
     result = CliRunner().invoke(main, ["validate", str(recipe)])
-    assert result.exit_code in (0, 3), result.output
-    if result.exit_code == 3:
-        assert "recipe ok" in result.output and "megatron-gspo[gpu]" in result.output
+    assert result.exit_code == 0, result.output

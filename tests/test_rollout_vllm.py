@@ -1,13 +1,15 @@
-"""The vLLM engine against a real ``vllm serve`` on 127.0.0.1 (CPU build, tiny Qwen3-MoE).
+"""The vLLM engine against real vLLM servers on 127.0.0.1 (CPU build; tiny Qwen3-MoE and Qwen3).
 
-One server per module (loading it takes ~25 s). The tests check what the trainer relies on:
-grouped samples with exact token ids and the policy's own log-probs (compared with a
-teacher-forced transformers forward), a weight sync after which the server samples exactly what
-the Megatron trainer would, and a prompt, clear failure when a server is down.
+One server per model and module (loading one takes ~25 s), started as ``launch`` starts them
+(worker extension, job-key middleware). The tests check what the trainer relies on: grouped
+samples with exact token ids and the policy's own log-probs (against a teacher-forced
+transformers forward); after each of two successive weight syncs (collective at 1 rank, EP2 and
+TP2, and disk), greedy samples and prompt log-probs equal to the Megatron trainer's own; a
+manifest that does not match the served model refused by name; routes closed without the
+job's key; and a server that hangs, dies or is down named promptly.
 
 The tests that start a server skip where ``vllm`` is not importable (``.ci/vllm-setup.sh``
-builds the environment); those that need no server (a server that is down is reported promptly,
-on every rank) run everywhere: the client is plain HTTP.
+builds the environment); those that need no server run everywhere: the client is plain HTTP.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def dense_server(dense_dir, tmp_path_factory, request):
 
 
 def _client(server: VLLMServer) -> VLLMClient:
-    return VLLMClient([server.url], request_timeout_s=120, max_retries=1)
+    return VLLMClient([server.url], api_key=server.key, request_timeout_s=120, max_retries=1)
 
 
 def _hf_token_logprobs(model_dir: Path, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -154,8 +156,28 @@ def test_same_seed_same_samples(moe_server):
     ]
 
 
-def _trainer_and_server(rank, world, cfg, parallel, url, sync_dir, prompts, params, seed):
-    """A Megatron policy with weights unlike the server's; greedy outputs before/after sync."""
+def _prompt_logprobs(client: VLLMClient, prompt: list[int]) -> torch.Tensor:
+    """The server's log-prob of every prompt token after the first (teacher forcing)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    rows = client.call(client.urls[0], "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    return torch.tensor(
+        [row[str(t)]["logprob"] for row, t in zip(rows[1:], prompt[1:], strict=True)]
+    )
+
+
+def _trainer_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """The Megatron policy's own log-probs of the same tokens (full vocabulary, any layout)."""
+    ids = torch.tensor([prompt])
+    n = len(prompt)
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(n)[None], mask, runtime_gather_output=True)[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def _sync_and_compare(rank, world, cfg, parallel, url, key, vllm_cfg, seeds):
+    """After each sync of new trainer weights: the server's greedy samples and prompt log-probs
+    against the trainer's own (LocalEngine and a forward of the same Megatron model)."""
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.rollout.local import LocalEngine
@@ -164,77 +186,232 @@ def _trainer_and_server(rank, world, cfg, parallel, url, sync_dir, prompts, para
 
     init_parallel(parallel)
     model = build_model(cfg, parallel)
-    load_full_state_dict(model, random_full_state_dict(cfg, seed))
-    request = RolloutRequest(prompts, params)
-    local = LocalEngine(model).generate(request)
-    engine = VLLMEngine(
-        VLLMConfig(urls=[url], sync_dir=str(sync_dir), request_timeout_s=120, max_retries=1),
-        cfg,
-        model,
+    model.eval()
+    engine = VLLMEngine(vllm_cfg, cfg, model, urls=[url], api_key=key)
+    request = RolloutRequest(
+        PROMPTS, SamplingParams(group_size=1, temperature=0.0, max_new_tokens=8)
     )
-    before = engine.generate(request)
-    start = time.monotonic()
-    engine.sync_weights()
-    sync_s = time.monotonic() - start
-    after = engine.generate(request)
-    # A second sync replaces the first checkpoint directory instead of piling them up.
-    engine.sync_weights()
-    left = sorted(p.name for p in Path(sync_dir).iterdir()) if rank == 0 else None
-    return local, before, after, sync_s, left
+    client = VLLMClient([url], api_key=key, request_timeout_s=120, max_retries=1)
+    rounds = []
+    for version, seed in enumerate(seeds, 1):
+        load_full_state_dict(model, random_full_state_dict(cfg, seed))
+        local = LocalEngine(model).generate(request)
+        before = engine.generate(request)
+        engine.sync_weights(version)
+        after = engine.generate(request)
+        prompt_diff = 0.0
+        for prompt in (p for p in PROMPTS if len(p) > 1):
+            trainer = _trainer_prompt_logprobs(model, prompt)
+            if rank == 0:
+                served = _prompt_logprobs(client, prompt)
+                prompt_diff = max(prompt_diff, float((served - trainer).abs().max()))
+        rounds.append(
+            {
+                "local": [g[0].token_ids for g in local.completions],
+                "local_lp": [g[0].logprobs for g in local.completions],
+                "before": [g[0].token_ids for g in before.completions],
+                "after": [g[0].token_ids for g in after.completions],
+                "after_lp": [g[0].logprobs for g in after.completions],
+                "versions": [g[0].policy_version for g in after.completions],
+                "prompt_diff": prompt_diff,
+                "sync": engine.last_sync,
+            }
+        )
+    left = (
+        sorted(p.name for p in Path(vllm_cfg.sync_dir).iterdir())
+        if vllm_cfg.sync_dir and rank == 0
+        else None
+    )
+    return rounds, left
 
 
-def _check_sync(server, model_dir, tmp_path, cfg, world, parallel) -> None:
-    client = _client(server)
-    params = SamplingParams(group_size=1, temperature=0.0, max_new_tokens=8)
+def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) -> None:
+    vllm_cfg = VLLMConfig(
+        urls=[server.url],
+        request_timeout_s=120,
+        max_retries=1,
+        weight_sync=weight_sync,
+        sync_dir=str(tmp_path / "sync") if weight_sync == "disk" else None,
+        # Many small buckets: the stream of buckets is what is under test.
+        bucket_mb=0.1,
+        sync_timeout_s=120,
+    )
+    if weight_sync == "disk":
+        (tmp_path / "sync").mkdir()
     try:
         results = run_distributed(
-            _trainer_and_server, world, cfg, parallel, server.url, tmp_path, PROMPTS, params, 1234
+            _sync_and_compare, world, cfg, parallel, server.url, server.key, vllm_cfg, [1234, 99]
         )
     finally:
         # Later tests start from the weights on disk again.
-        client.reload_weights(model_dir)
-    local, before, after, sync_s, left = results[0]
-    for r in results[1:]:
-        assert r[2].completions == after.completions, "ranks received different rollouts"
-    print(f"weight sync (gather + write + reload) took {sync_s:.2f} s")
-
-    def ids(res):
-        return [g[0].token_ids for g in res.completions]
-
-    assert ids(before) != ids(local), "the server already had the trainer's weights"
-    assert ids(after) == ids(local), "after sync_weights the server samples something else"
-    worst = max(
-        (torch.tensor(a[0].logprobs) - torch.tensor(b[0].logprobs)).abs().max().item()
-        for a, b in zip(after.completions, local.completions, strict=True)
-    )
-    print(f"max |vLLM - Megatron| greedy token log-prob after sync: {worst:.2e}")
-    assert worst < LOGPROB_ATOL, f"log-probs after sync differ from the trainer's by {worst:.2e}"
-    assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
+        VLLMClient([server.url], api_key=server.key).rpc(
+            server.url, "gspo_load_from_path", {"path": str(model_dir), "version": 0}
+        )
+    rounds, left = results[0]
+    for other, _ in results[1:]:
+        assert [r["after"] for r in other] == [r["after"] for r in rounds], (
+            "ranks got other rollouts"
+        )
+    for version, r in enumerate(rounds, 1):
+        print(f"sync {version}: {r['sync']}")
+        assert r["before"] != r["local"], f"sync {version}: the server already had these weights"
+        assert r["after"] == r["local"], (
+            f"after sync {version} the server samples something else than the trainer"
+        )
+        worst = max(
+            (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+            for a, b in zip(r["after_lp"], r["local_lp"], strict=True)
+        )
+        assert worst < LOGPROB_ATOL, f"sync {version}: sampled log-probs differ by {worst:.2e}"
+        assert r["prompt_diff"] < LOGPROB_ATOL, (
+            f"sync {version}: prompt log-probs differ from the trainer's forward by "
+            f"{r['prompt_diff']:.2e}"
+        )
+        assert r["versions"] == [version] * len(PROMPTS), f"samples stamped {r['versions']}"
+    if weight_sync == "disk":
+        assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
 
 
 @requires_vllm
 @pytest.mark.parametrize(
-    "world,parallel",
-    [(1, ParallelConfig()), (2, ParallelConfig(tensor_model_parallel_size=2))],
-    ids=["single-rank", "tp2"],
+    "world,parallel,weight_sync",
+    [
+        (1, ParallelConfig(), "collective"),
+        (2, ParallelConfig(expert_model_parallel_size=2), "collective"),
+        (1, ParallelConfig(), "disk"),
+    ],
+    ids=["collective-1rank", "collective-ep2", "disk-1rank"],
 )
-def test_after_sync_weights_the_server_samples_what_the_trainer_would(
-    dense_server, dense_dir, tmp_path, world, parallel
+def test_after_each_sync_the_moe_server_computes_what_the_trainer_does(
+    moe_server, moe_dir, tmp_path, world, parallel, weight_sync
 ):
-    _check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, world, parallel)
+    """Two successive syncs: the second is where a stale expert prepack would show."""
+    _check_sync(moe_server, moe_dir, tmp_path, VLLM_TINY_MOE, world, parallel, weight_sync)
+
+
+def _mismatched_trainer(rank, world, cfg, url, key):
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    init_parallel(ParallelConfig())
+    engine = VLLMEngine(
+        VLLMConfig(urls=[url], sync_timeout_s=60),
+        cfg,
+        build_model(cfg, ParallelConfig()),
+        urls=[url],
+        api_key=key,
+    )
+    try:
+        engine.sync_weights(1)
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        return f"{type(e).__name__}: {e}", engine.server_versions()
+    return "no error", None
 
 
 @requires_vllm
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32 CPU: reload_weights into a running MoE model leaves wrong expert "
-    "weights (reloading the very same checkpoint changes the greedy output); dense works",
-)
-def test_after_sync_weights_the_moe_server_samples_what_the_trainer_would(
-    moe_server, moe_dir, tmp_path
+def test_a_manifest_that_does_not_match_the_served_model_is_refused(moe_server):
+    """A dense trainer against the MoE server: refused before any byte moves, naming the
+    server and a tensor, and the server keeps what it held."""
+    client = VLLMClient([moe_server.url], api_key=moe_server.key)
+    held = client.rpc(moe_server.url, "gspo_weights_version")[0]["version"]
+    message, versions = run_distributed(
+        _mismatched_trainer, 1, VLLM_TINY_DENSE, moe_server.url, moe_server.key
+    )[0]
+    assert moe_server.url in message and "model.layers.0.mlp" in message, message
+    assert versions == {moe_server.url: held}, versions
+
+
+@requires_vllm
+def test_the_servers_routes_need_the_job_key(moe_server):
+    from megatron_gspo.rollout.vllm.client import VLLMRequestError, _http
+
+    url = moe_server.url
+    for path, body in [
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
+        ("/reset_prefix_cache", None),
+    ]:
+        status, _ = _http("POST", url + path, body, 30)
+        assert status == 401, f"{path} answered {status} without the job key"
+    assert _http("GET", url + "/health", None, 30)[0] == 200
+    with pytest.raises(VLLMRequestError, match="job key"):
+        VLLMClient([url], api_key="not-the-key").rpc(url, "gspo_weights_version")
+    # Past the HTTP check (right header), the extension checks the key in the request itself.
+    status, raw = _http(
+        "POST",
+        url + "/collective_rpc",
+        {"method": "gspo_weights_version", "kwargs": {"request": '{"key": "forged"}'}},
+        30,
+        moe_server.key,
+    )
+    assert status == 500 and b"wrong job key" in raw, (status, raw[:300])
+
+
+@requires_vllm
+def test_after_each_sync_the_dense_server_computes_what_a_tp2_trainer_does(
+    dense_server, dense_dir, tmp_path
 ):
-    # Last test on this server: the failed reload leaves it with wrong weights.
-    _check_sync(moe_server, moe_dir, tmp_path, VLLM_TINY_MOE, 1, ParallelConfig())
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
+    _check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, 2, parallel, "collective")
+
+
+def _sync_into_a_failing_server(rank, world, cfg, url, key, pgid):
+    import os
+    import signal
+
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+
+    init_parallel(ParallelConfig())
+    engine = VLLMEngine(
+        VLLMConfig(urls=[url], sync_timeout_s=5, request_timeout_s=30, max_retries=0),
+        cfg,
+        build_model(cfg, ParallelConfig()),
+        urls=[url],
+        api_key=key,
+        retry_backoff_s=0.05,
+    )
+    engine.sync_weights(1)
+    errors = {}
+    os.killpg(pgid, signal.SIGSTOP)  # a server that hangs mid-job
+    start = time.monotonic()
+    try:
+        engine.sync_weights(2)
+    except Exception as e:  # noqa: BLE001
+        errors["hung"] = (str(e), time.monotonic() - start)
+    os.killpg(pgid, signal.SIGKILL)  # and then dies
+    for what, call in [
+        ("dead", lambda: engine.sync_weights(3)),
+        (
+            "generate",
+            lambda: engine.generate(RolloutRequest([[1, 2]], SamplingParams(group_size=1))),
+        ),
+    ]:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001
+            errors[what] = (str(e), 0.0)
+    return errors
+
+
+@requires_vllm
+def test_a_server_that_hangs_or_dies_during_sync_is_named(dense_server):
+    """Last test on this server: it is stopped and killed."""
+    errors = run_distributed(
+        _sync_into_a_failing_server,
+        1,
+        VLLM_TINY_DENSE,
+        dense_server.url,
+        dense_server.key,
+        dense_server.proc.pid,
+    )[0]
+    for what, (message, seconds) in errors.items():
+        print(f"{what} ({seconds:.1f} s): {message}")
+    assert set(errors) == {"hung", "dead", "generate"}, errors
+    for what, (message, _) in errors.items():
+        assert dense_server.url in message, f"{what}: the error does not name the server: {message}"
+    assert errors["hung"][1] < 60, f"a hung server took {errors['hung'][1]:.0f} s to report"
+    assert "sync" in errors["generate"][0], errors["generate"][0]
 
 
 def test_a_server_that_is_down_is_named_promptly():

