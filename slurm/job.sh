@@ -5,7 +5,7 @@
 # What it does, in order:
 #   1. splits the job's nodes: the first TRAINER_NODES train, the next ROLLOUT_NODES serve
 #      (`megatron-gspo launch` makes the same split from the same node list);
-#   2. starts one `launch --role rollout` per rollout node (vllm serve), if any;
+#   2. starts one `launch --role rollout` per rollout node (its vLLM servers), if any;
 #   3. starts one `launch --role trainer` per trainer node (torchrun ... train), which waits
 #      for the servers' /health before training and gets their URLs in
 #      MEGATRON_GSPO_VLLM_URLS;
@@ -54,6 +54,14 @@ fi
 log() { printf '%s batch: %s\n' "$(date '+%F %T')" "$*"; }
 
 mkdir -p "$LOG_DIR" "$OUTPUT_DIR"
+
+# The job's key. Every vLLM server of this job answers (weight updates included) only callers
+# that present it; the trainer does. A fresh one per run, handed to every step through the
+# environment (srun passes it on), never on a command line, where other users could read it.
+if [ -z "${MEGATRON_GSPO_VLLM_KEY:-}" ]; then
+  MEGATRON_GSPO_VLLM_KEY=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+fi
+export MEGATRON_GSPO_VLLM_KEY
 log "job $SLURM_JOB_ID (${SLURM_JOB_NAME}) run $((${SLURM_RESTART_COUNT:-0} + 1)) on" \
   "$SLURM_JOB_NODELIST; recipe $RECIPE; output $OUTPUT_DIR; logs $LOG_DIR"
 
@@ -76,9 +84,10 @@ launch_args=(--trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES"
   --rollout-gpus "$ROLLOUT_GPUS" --vllm-port "$VLLM_PORT")
 [ -n "$MASTER_PORT" ] && launch_args+=(--master-port "$MASTER_PORT")
 [ -n "$NPROC_PER_NODE" ] && launch_args+=(--nproc-per-node "$NPROC_PER_NODE")
+# Both roles need it: servers start one per VLLM_TP GPUs, the trainer lists their URLs.
+[ -n "$VLLM_TP" ] && launch_args+=(--vllm-tp "$VLLM_TP")
 rollout_args=()
 [ -n "$VLLM_MODEL" ] && rollout_args+=(--vllm-model "$VLLM_MODEL")
-[ -n "$VLLM_TP" ] && rollout_args+=(--vllm-tp "$VLLM_TP")
 [ -n "$VLLM_ARGS" ] && rollout_args+=(--vllm-args "$VLLM_ARGS")
 train_args=(--output-dir "$OUTPUT_DIR" --shutdown-timeout "$SHUTDOWN_TIMEOUT"
   --rollout-wait "$ROLLOUT_WAIT")

@@ -22,7 +22,7 @@ from megatron_gspo.launch import (
     gpus_on_node,
     job_layout,
     launch,
-    rollout_command,
+    rollout_servers,
     trainer_command,
     wait_for_servers,
 )
@@ -163,18 +163,32 @@ def test_trainer_command_is_torchrun_with_this_nodes_rendezvous():
     ]
 
 
-def test_rollout_command_splits_gpus_into_tensor_and_data_parallel():
-    layout, a = _assign(_env("gpu[01-03]", "gpu03"), rollout_nodes=1)
-    cmd = rollout_command(a, layout, "ckpt/Qwen3", tensor_parallel=4)
-    assert cmd[:3] == ["vllm", "serve", "ckpt/Qwen3"]
-    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
-    assert cmd[cmd.index("--data-parallel-size") + 1] == "2"
+def test_rollout_node_runs_one_server_per_tensor_parallel_group_on_its_own_address():
+    layout, a = _assign(_env("gpu[01-03]", "gpu03"), rollout_nodes=1, vllm_servers_per_node=2)
+    servers = rollout_servers(a, layout, "ckpt/Qwen3", key="k3y", tensor_parallel=4)
+    assert [s.url for s in servers] == ["http://gpu03:8000", "http://gpu03:8001"]
+    assert layout.vllm_urls == [s.url for s in servers], "the trainer looks elsewhere"
+    for i, s in enumerate(servers):
+        cmd = s.cmd
+        assert cmd[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+        assert cmd[cmd.index("--model") + 1] == "ckpt/Qwen3"
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
+        assert "--data-parallel-size" not in cmd, "replicas behind one URL miss the weight sync"
+        # The job's address only, never every interface.
+        assert cmd[cmd.index("--host") + 1] == "gpu03" and "0.0.0.0" not in cmd
+        assert cmd[cmd.index("--port") + 1] == str(8000 + i)
+        assert cmd[cmd.index("--worker-extension-cls") + 1].endswith("WeightSyncExtension")
+        assert cmd[cmd.index("--middleware") + 1].endswith("JobKeyMiddleware")
+        # The key sits in the environment: a command line is readable by every user.
+        assert "k3y" not in " ".join(cmd) and s.env["VLLM_API_KEY"] == "k3y"
+        assert s.env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert s.env["CUDA_VISIBLE_DEVICES"] == ",".join(str(d) for d in range(4 * i, 4 * i + 4))
     with pytest.raises(LaunchError, match="does not divide"):
-        rollout_command(a, layout, "m", tensor_parallel=3)
+        rollout_servers(a, layout, "m", key="k", tensor_parallel=3)
 
 
 def test_dry_run_prints_the_command_and_environment():
-    env = _env("gpu[01-06]", "gpu04")
+    env = _env("gpu[01-06]", "gpu04", MEGATRON_GSPO_VLLM_KEY="s3cret")
     result = CliRunner().invoke(
         launch, [MOE, "--rollout-nodes", "2", "--dry-run", "--steps", "5"], env=env
     )
@@ -182,10 +196,21 @@ def test_dry_run_prints_the_command_and_environment():
     assert "MEGATRON_GSPO_VLLM_URLS=http://gpu05:8000,http://gpu06:8000" in result.output
     assert "--node-rank=3" in result.output and "--steps 5" in result.output
     rollout = CliRunner().invoke(
-        launch, [MOE, "--rollout-nodes", "2", "--dry-run"], env=_env("gpu[01-06]", "gpu05")
+        launch,
+        [MOE, "--rollout-nodes", "2", "--dry-run"],
+        env={**env, "SLURMD_NODENAME": "gpu05"},
     )
     assert rollout.exit_code == 0, rollout.output
-    assert "vllm serve checkpoints/Qwen3-30B-A3B" in rollout.output
+    assert "--model checkpoints/Qwen3-30B-A3B --host gpu05 --port 8000" in rollout.output
+    assert "VLLM_API_KEY=<job key>" in rollout.output and "s3cret" not in rollout.output
+
+
+def test_a_job_with_servers_but_no_key_is_refused():
+    for node in ("gpu04", "gpu05"):
+        result = CliRunner().invoke(
+            launch, [MOE, "--rollout-nodes", "2", "--dry-run"], env=_env("gpu[01-06]", node)
+        )
+        assert result.exit_code != 0 and "MEGATRON_GSPO_VLLM_KEY" in result.output, node
 
 
 def test_rollout_nodes_with_an_embedded_engine_recipe_are_refused():
@@ -245,14 +270,14 @@ def test_sigterm_reaches_the_ranks_and_not_torchrun(tmp_path):
     driver = textwrap.dedent(
         f"""
         import os, pathlib, signal, sys, threading, time
-        from megatron_gspo.launch import _run_forwarding_term
+        from megatron_gspo.launch import run_forwarding_term
         def later():
             while not pathlib.Path({str(tmp_path / "ready")!r}).exists():
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGTERM)
         threading.Thread(target=later, daemon=True).start()
-        sys.exit(_run_forwarding_term([sys.executable, {str(agent)!r}], dict(os.environ),
-                                      workers_only=True))
+        sys.exit(run_forwarding_term([([sys.executable, {str(agent)!r}], dict(os.environ))],
+                                     workers_only=True))
         """
     )
     result = subprocess.run(

@@ -1,0 +1,196 @@
+"""``megatron-gspo launch``: one process per node that starts what this node is for.
+
+A Slurm job for GSPO has two kinds of nodes: trainer nodes, which run the Megatron policy under
+``torchrun``, and rollout nodes, which run vLLM servers. The sbatch recipes in ``slurm/`` start
+``launch`` once per node; the role, rank, rendezvous and server URLs are pure functions of the
+Slurm environment (:mod:`.slurm`, :mod:`.roles`), the command lines come from
+:mod:`.commands`, and the side effects (health checks, processes, signals) from
+:mod:`.processes`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+import click
+
+from megatron_gspo.launch.commands import rollout_servers, servers_per_node, trainer_command
+from megatron_gspo.launch.errors import LaunchError
+from megatron_gspo.launch.processes import run_forwarding_term, wait_for_servers
+from megatron_gspo.launch.roles import assign_node, job_layout
+from megatron_gspo.launch.slurm import default_master_port, expand_hostlist, gpus_on_node, this_node
+
+__all__ = ["launch"]
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "--role",
+    type=click.Choice(["auto", "trainer", "rollout"]),
+    default="auto",
+    show_default=True,
+    help="Which side to run; auto decides from the node list (needed only on a node that "
+    "both trains and serves).",
+)
+@click.option("--trainer-nodes", type=int, default=None, help="Default: the nodes left over.")
+@click.option("--rollout-nodes", type=int, default=0, show_default=True)
+@click.option(
+    "--rollout-gpus",
+    type=int,
+    default=0,
+    show_default=True,
+    help="On a node that trains, give its last N GPUs to a vLLM server (single-node split).",
+)
+@click.option("--nodelist", default=None, help="Default: $SLURM_JOB_NODELIST.")
+@click.option("--node", default=None, help="This node's name. Default: $SLURMD_NODENAME.")
+@click.option("--gpus-per-node", type=int, default=None, help="Default: what Slurm gave.")
+@click.option("--nproc-per-node", type=int, default=None, help="Default: the trainer's GPUs.")
+@click.option("--master-port", type=int, default=None, help="Default: 29500 + job id mod 1000.")
+@click.option("--vllm-port", type=int, default=8000, show_default=True)
+@click.option("--vllm-model", default=None, help="HF model path to serve. Default: recipe's.")
+@click.option(
+    "--vllm-tp",
+    type=int,
+    default=None,
+    help="GPUs per vLLM server (default: all of the node); one server per VLLM_TP GPUs.",
+)
+@click.option("--vllm-args", default="", help="Extra vLLM server arguments, shell-quoted.")
+@click.option("--output-dir", default=None, help="Passed to `train --output-dir`.")
+@click.option(
+    "--shutdown-timeout",
+    type=int,
+    default=300,
+    show_default=True,
+    help="Seconds torchrun waits for the ranks after a SIGTERM before killing them.",
+)
+@click.option(
+    "--rollout-wait",
+    type=float,
+    default=1800.0,
+    show_default=True,
+    help="Seconds the trainer waits for the vLLM servers' /health.",
+)
+@click.option("--dry-run", is_flag=True, help="Print this node's command and exit.")
+def launch(
+    recipe: str,
+    train_args: tuple[str, ...],
+    role: str,
+    trainer_nodes: int | None,
+    rollout_nodes: int,
+    rollout_gpus: int,
+    nodelist: str | None,
+    node: str | None,
+    gpus_per_node: int | None,
+    nproc_per_node: int | None,
+    master_port: int | None,
+    vllm_port: int,
+    vllm_model: str | None,
+    vllm_tp: int | None,
+    vllm_args: str,
+    output_dir: str | None,
+    shutdown_timeout: int,
+    rollout_wait: float,
+    dry_run: bool,
+) -> None:
+    """Start this node's part of a Slurm job: `torchrun ... train RECIPE` on trainer nodes,
+    vLLM servers on rollout nodes. Arguments after RECIPE go to `train` (e.g. --steps 10).
+
+    Servers and trainer share the job's key from $MEGATRON_GSPO_VLLM_KEY (the sbatch recipes
+    generate one per job); without it no server is started."""
+    from megatron_gspo.config import RecipeError, load_recipe
+    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+
+    env = dict(os.environ)
+    try:
+        r = load_recipe(recipe)
+        nodes = expand_hostlist(nodelist or env.get("SLURM_JOB_NODELIST") or this_node(env))
+        gpus = gpus_on_node(env) if gpus_per_node is None else gpus_per_node
+        layout = job_layout(
+            nodes,
+            trainer_nodes=trainer_nodes,
+            rollout_nodes=rollout_nodes,
+            rollout_gpus=rollout_gpus,
+            master_port=master_port or default_master_port(env.get("SLURM_JOB_ID")),
+            vllm_port=vllm_port,
+            vllm_servers_per_node=servers_per_node(rollout_gpus or gpus, vllm_tp),
+        )
+        a = assign_node(
+            layout,
+            node or this_node(env),
+            gpus_per_node=gpus,
+            role=None if role == "auto" else role,  # type: ignore[arg-type]
+            nproc_per_node=nproc_per_node,
+            visible_devices=[d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d],
+        )
+        if a.role == "trainer" and layout.vllm_urls and r.rollout.engine != "vllm":
+            raise LaunchError(
+                f"{recipe}: the job starts vLLM servers but rollout.engine is "
+                f"{r.rollout.engine!r}; set rollout.engine: vllm or drop the rollout nodes"
+            )
+        key = env.get(JOB_KEY_ENV, "")
+        if layout.vllm_urls and not key:
+            raise LaunchError(
+                f"${JOB_KEY_ENV} is not set: the vLLM servers of a job accept weights only "
+                "from callers with the job's key (slurm/job.sh generates one per job)"
+            )
+        if a.role == "trainer":
+            cmd = trainer_command(
+                a,
+                layout,
+                recipe,
+                output_dir=output_dir,
+                train_args=train_args,
+                shutdown_timeout_s=shutdown_timeout,
+            )
+            processes = [(cmd, {**env, **a.env})]
+        else:
+            from megatron_gspo.extras import MissingExtraError, require_extra
+
+            if not dry_run:
+                try:
+                    require_extra("vllm", "Serving rollouts (launch --role rollout)")
+                except MissingExtraError as e:
+                    raise LaunchError(str(e)) from None
+            model = vllm_model or r.rollout.vllm.model
+            if not model:
+                raise LaunchError(
+                    "a rollout node needs the model to serve: --vllm-model PATH (a Hugging "
+                    "Face checkpoint directory) or rollout.vllm.model in the recipe"
+                )
+            servers = rollout_servers(
+                a,
+                layout,
+                model,
+                key=key,
+                tensor_parallel=vllm_tp,
+                served_model_name=r.rollout.vllm.model if vllm_model else None,
+                vllm_args=shlex.split(vllm_args),
+                base_env=env,
+            )
+            processes = [(s.cmd, s.env) for s in servers]
+    except (RecipeError, LaunchError) as e:
+        raise click.ClickException(str(e)) from None
+
+    summary = (
+        f"launch: node {a.node} role={a.role} node_rank={a.node_rank}/{a.nnodes} "
+        f"nproc={a.nproc} master={layout.master_addr}:{layout.master_port}"
+    )
+    click.echo(summary, err=True)
+    for cmd, proc_env in processes:
+        shown = {k: v for k, v in proc_env.items() if env.get(k) != v}
+        for k, v in sorted(shown.items()):
+            click.echo(f"{k}={'<job key>' if v == key and key else v}")
+        click.echo(shlex.join(cmd))
+    if dry_run:
+        return
+    sys.stdout.flush()
+    if a.role == "trainer" and layout.vllm_urls:
+        try:
+            wait_for_servers(layout.vllm_urls, timeout_s=rollout_wait, log=click.echo)
+        except LaunchError as e:
+            raise click.ClickException(str(e)) from None
+    sys.exit(run_forwarding_term(processes, workers_only=a.role == "trainer"))

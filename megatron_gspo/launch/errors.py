@@ -1,0 +1,7 @@
+"""The one error launch raises for a job that cannot run as asked."""
+
+from __future__ import annotations
+
+
+class LaunchError(ValueError):
+    """The allocation cannot host the requested layout; the message says what to change."""
