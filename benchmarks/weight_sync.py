@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,26 +52,6 @@ def model_config(layers: int):
         moe_aux_loss_coeff=0.0,
         rotary_base=10000,
     )
-
-
-def write_model(directory: Path, cfg) -> None:
-    import torch
-
-    from megatron_gspo.rollout.vllm.export import write_hf_checkpoint
-    from megatron_gspo.weights.hf import HFMapping
-
-    g = torch.Generator().manual_seed(0)
-    mapping = HFMapping(cfg)
-    tensors = (
-        (name, torch.randn(shape, generator=g) * 0.02) for name, shape in mapping.hf_shapes.items()
-    )
-    write_hf_checkpoint(directory, cfg, tensors, dtype=torch.float32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer(
@@ -153,46 +131,22 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from megatron_gspo.rollout.vllm.client import wait_until_healthy
-    from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+    from benchmarks._served_model import free_port, served, write_served_model
 
     cfg = model_config(args.layers)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     sync_dir = Path(args.sync_dir or work / "sync")
     sync_dir.mkdir(parents=True, exist_ok=True)
-    write_model(work / "model", cfg)
+    write_served_model(work / "model", cfg)
     size_mb = sum(p.stat().st_size for p in (work / "model").glob("*.safetensors")) / 1e6
     print(
         f"model: Qwen3-MoE, {cfg.num_layers} layers, {cfg.num_experts} experts, "
         f"{size_mb:.0f} MB in fp32"
     )
 
-    key, port = new_job_key(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = server_env(key)
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    extra = [
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--skip-tokenizer-init",
-        "--max-num-seqs",
-        "8",
-    ]
-    log = open(work / "server.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(
-        server_command(str(work / "model"), host="127.0.0.1", port=port, extra_args=extra),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        t0 = time.perf_counter()
-        wait_until_healthy([url], timeout_s=600, interval_s=1)
-        print(f"server ready in {time.perf_counter() - t0:.0f} s ({url})")
+    extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
+    extra += ["--max-num-seqs", "8"]
+    with served(work / "model", extra) as (url, key):
         results = {}
         ctx = mp.get_context("spawn")
         for world in (int(w) for w in args.worlds.split(",")):
@@ -224,13 +178,6 @@ def main() -> None:
             if any(p.exitcode for p in procs):
                 raise SystemExit(f"trainer at {world} rank(s) failed; see the output above")
             results[world] = got
-    finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-        log.close()
 
     keys = [
         "weight_sync_gather_s",

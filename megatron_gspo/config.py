@@ -135,6 +135,27 @@ class OptimizerConfig(_Section):
     clip_grad: float = 1.0
 
 
+class OffPolicyCorrection(_Section):
+    """Importance weights pi_old / pi_behaviour between the recomputed old log-probs and the
+    rollout engine's (see megatron_gspo.loss.off_policy): truncated (tis: min(w, tis_cap)) or
+    masked (mis: units with w outside [mis_low, mis_high] leave the loss), per token or per
+    sequence (w = exp of the mean token log-ratio)."""
+
+    mode: Literal["none", "tis", "mis"] = "none"
+    level: Literal["token", "sequence"] = "token"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+
+    @model_validator(mode="after")
+    def _check(self) -> OffPolicyCorrection:
+        if self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if not 0 <= self.mis_low < self.mis_high:
+            raise ValueError(f"need 0 <= mis_low < mis_high, got {self.mis_low}, {self.mis_high}")
+        return self
+
+
 class TrainConfig(_Section):
     """One RL step = one rollout batch, split into ``mini_batches`` optimizer steps."""
 
@@ -149,6 +170,9 @@ class TrainConfig(_Section):
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     # Force the training forward to use the experts the old policy chose (for GRPO on MoE).
     routing_replay: bool = False
+    # Off by default; with asynchronous rollouts (rollout.max_staleness >= 1) it corrects for
+    # the weights versions between the sampler and the old policy.
+    off_policy_correction: OffPolicyCorrection = OffPolicyCorrection()
 
 
 class VLLMConfig(_Section):
@@ -197,7 +221,17 @@ class RolloutConfig(_Section):
     # Defaults to the tokenizer's end-of-sequence id.
     stop_token_ids: list[int] | None = None
     seed: int = 0
+    # 0: sample each batch after the previous update (on-policy). K >= 1: sample the next
+    # batches while the trainer trains on the current one, from weights at most K updates
+    # older than the policy that trains on them.
+    max_staleness: int = 0
     vllm: VLLMConfig = VLLMConfig()
+
+    @model_validator(mode="after")
+    def _check_staleness(self) -> RolloutConfig:
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        return self
 
 
 class DataConfig(_Section):
@@ -285,6 +319,14 @@ class Recipe(_Section):
     def _check_cross_sections(self) -> Recipe:
         if self.train.routing_replay and not self.model.is_moe:
             raise ValueError("train.routing_replay needs an MoE model (model.num_experts)")
+        if (
+            self.train.off_policy_correction.mode != "none"
+            and self.train.old_logprobs != "recompute"
+        ):
+            raise ValueError(
+                "train.off_policy_correction weighs recomputed old log-probs against the "
+                "rollout's, so it needs train.old_logprobs=recompute"
+            )
         if self.train.routing_replay and self.train.old_logprobs != "recompute":
             raise ValueError(
                 "train.routing_replay records the routing of the old-policy forward, so it "

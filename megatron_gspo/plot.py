@@ -6,13 +6,17 @@ from pathlib import Path
 
 from megatron_gspo.metrics import read_metrics
 
+# (title, series): a panel plots each series that the run recorded.
 PANELS = [
-    ("reward_mean", "reward (mean)"),
-    ("clip_fraction", "clip fraction"),
-    ("approx_kl", "approx. KL (k3)"),
-    ("entropy", "entropy"),
-    ("response_length_mean", "response length"),
-    ("routing_flip_rate", "routing flip rate"),
+    ("reward", ["reward_mean", "eval_reward_mean"]),
+    ("clip fraction", ["clip_fraction"]),
+    ("approx. KL (k3)", ["approx_kl"]),
+    ("entropy", ["entropy"]),
+    ("response length", ["response_length_mean"]),
+    ("routing", ["routing_flip_rate", "rollout_routing_disagreement"]),
+    ("staleness (versions)", ["staleness_mean", "staleness_max"]),
+    ("train vs rollout KL (k3)", ["rollout_kl_k3"]),
+    ("importance weight", ["is_weight_mean", "is_masked_fraction", "is_truncated_fraction"]),
 ]
 
 
@@ -25,15 +29,21 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "plots" / "training.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9.5), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="." if len(points) < 50 else None)
-        else:
+        drawn = 0
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                marker = "." if len(points) < 50 else None
+                ax.plot(*zip(*points, strict=True), marker=marker, label=key)
+                drawn += 1
+        if drawn > 1:
+            ax.legend(fontsize="small")
+        elif not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"{Path(run_dir).name}: {len(records)} steps")
     tmp = out.with_name(f".{out.name}.tmp.png")

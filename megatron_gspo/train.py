@@ -3,11 +3,13 @@
 Every rank runs this function (``torchrun`` or a single process). One step:
 
 1. take the next prompts;
-2. the rollout engine samples ``group_size`` responses to each;
+2. the rollout engine samples ``group_size`` responses to each (with ``rollout.max_staleness``
+   K >= 1 this batch was sampled ahead, while the trainer trained on earlier ones, by weights
+   at most K updates old: :mod:`megatron_gspo.rollout.pipeline`);
 3. rank 0 scores them with the reward functions and shares the rewards;
 4. group advantages ``A_i = (r_i - mean_group r) / (std_group r + eps)``;
 5. the trainer updates the policy with the recipe's loss (GSPO by default);
-6. the engine is given the new weights;
+6. once generation in flight has finished, the engine is given the new weights;
 7. metrics, and every ``run.checkpoint_every`` steps a checkpoint.
 """
 
@@ -32,6 +34,7 @@ from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.parallel import init_parallel
 from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import RolloutRequest, RolloutResult, SamplingParams, make_engine
+from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.train_step import GSPOTrainer
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ def score(
                     rollout_logprobs=c.logprobs,
                     reward=values[k],
                     prompt_index=p_idx,
+                    policy_version=c.policy_version,
                 )
             )
             k += 1
@@ -159,21 +163,26 @@ def train(
         max_new_tokens=recipe.rollout.max_new_tokens,
         stop_token_ids=tuple(recipe.rollout.stop_token_ids or [stream.tokenizer.eos_id]),
     )
+    rollouts = _rollouts(recipe, engine, stream, params, next_step=start + 1)
+    if latest is not None:
+        rollouts.restore(state.get("rollout_queue", []))
+    rollouts.resume()
     bar = _progress(total, start, enabled=rank0)
     step = start
     for step in range(start + 1, total + 1):
         t0 = time.perf_counter()
-        prompts = stream.next_batch(recipe.rollout.prompts_per_step)
-        request = RolloutRequest(
-            [p.token_ids for p in prompts],
-            SamplingParams(**params, seed=recipe.rollout.seed * 1_000_003 + step),
-        )
-        result = engine.generate(request)
-        if _empty_responses(result):
+        # The policy holds step - 1 updates; the batch may come from an older version.
+        batch = rollouts.take(step, current_version=step - 1)
+        if _empty_responses(batch.result):
             raise RuntimeError("the rollout engine returned an empty response")
-        samples, metrics = score(result, prompts, stream, rewards, recipe)
+        samples, metrics = score(batch.result, batch.prompts, stream, rewards, recipe)
+        metrics.update(
+            staleness_metrics(samples, step - 1), rollout_batches_dropped=rollouts.dropped
+        )
         t1 = time.perf_counter()
         metrics.update(trainer.step(samples))
+        # Generation in flight finishes on the weights it started with, then the sync.
+        rollouts.pause()
         engine.sync_weights(step)
         t2 = time.perf_counter()
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -187,12 +196,19 @@ def train(
         _report(bar, step, total, metrics)
         stopping = stop.any_rank()
         if step % recipe.run.checkpoint_every == 0 or step == total or stopping:
-            checkpoints.save(step, {"data_position": stream.position})
+            # Batches already generated for later steps are saved, so a resumed run trains on
+            # exactly what this one would have.
+            checkpoints.save(
+                step, {"data_position": stream.position, "rollout_queue": rollouts.state()}
+            )
         if rank0 and recipe.run.plot_every and (step % recipe.run.plot_every == 0 or step == total):
             _plot(run_dir)
         if stopping:
             log.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
             break
+        if step < total:
+            rollouts.resume()
+    rollouts.close()
     if bar is not None:
         bar.close()
     logger.close()
@@ -200,6 +216,33 @@ def train(
     if rewards is not None:
         rewards.close()
     return run_dir
+
+
+def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:
+    """How many updates behind the policy each sample's weights were."""
+    lags = [current_version - s.policy_version for s in samples if s.policy_version is not None]
+    if not lags:
+        return {}
+    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+
+
+def _rollouts(recipe: Recipe, engine, stream: PromptStream, params: dict, *, next_step: int):
+    """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""
+
+    def draw(step: int) -> list[Prompt]:
+        return stream.next_batch(recipe.rollout.prompts_per_step)
+
+    def request(step: int, prompts: list[Prompt]) -> RolloutRequest:
+        return RolloutRequest(
+            [p.token_ids for p in prompts],
+            SamplingParams(**params, seed=recipe.rollout.seed * 1_000_003 + step),
+        )
+
+    k = recipe.rollout.max_staleness
+    if k == 0:
+        return OnPolicyRollouts(engine.generate, draw, request)
+    generate = engine.generate_rank0 if dist.get_rank() == 0 else None
+    return RolloutPipeline(generate, draw, request, max_staleness=k, next_step=next_step)
 
 
 def _yaml(recipe: Recipe) -> str:

@@ -20,7 +20,7 @@ layout, while the aux loss keeps Megatron's own mean.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,8 @@ from megatron_gspo.data.packing import (
     microbatch_width,
     plan_microbatches,
 )
-from megatron_gspo.loss import get_policy_loss, token_logprobs
+from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss, token_logprobs
+from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.policy import Policy
 
@@ -83,6 +84,19 @@ class GSPOTrainer:
         self.loss_name = self.recipe.loss.name
         packed = self.recipe.train.packing
         self.loss_fn = get_policy_loss(self.loss_name, packed=packed)
+        c = self.recipe.train.off_policy_correction
+        self.correction = Correction(
+            mode=c.mode,
+            level=c.level,
+            cap=c.tis_cap,
+            low=c.mis_low,
+            high=c.mis_high,
+            max_log_ratio=self.recipe.loss.max_log_ratio,
+        )
+        # Per-token weights need per-token advantages: GSPO takes them in its token form,
+        # which with A_{i,t} = A_i w_t is GSPO with each token's gradient weighted.
+        token_name = "gspo_token" if self.loss_name == "gspo" else self.loss_name
+        self.token_loss_fn = get_policy_loss(token_name, packed=packed)
         self.loss_kwargs = _loss_kwargs(self.recipe.loss)
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
         # Sequence parallelism splits the sequence over TP ranks: pad rows to a multiple.
@@ -209,6 +223,59 @@ class GSPOTrainer:
             "rollout_kl_k3": float(diff[1] / diff[2]),
         }
 
+    def apply_off_policy_correction(
+        self, plans: list[MiniBatchPlan]
+    ) -> tuple[list[MiniBatchPlan], dict[str, float]]:
+        """Weigh (TIS) or mask (MIS) units by pi_old / pi_behaviour; recount what is trained.
+
+        Runs after the old log-prob pass, on the last pipeline stage (the only one with old
+        log-probs and a loss). Each mini-batch's sequence count becomes the number of
+        sequences with a token left to train on, summed over the world.
+        """
+        stats = CorrectionStats()
+        counts = torch.zeros(len(plans), dtype=torch.float64)
+        if parallel_state.is_pipeline_last_stage():
+            for p_idx, plan in enumerate(plans):
+                for mb in plan.microbatches:
+                    if mb.num_sequences == 0:
+                        continue
+                    if mb.behaviour_logprobs is None:
+                        raise ValueError(
+                            "train.off_policy_correction needs log-probs from the rollout engine"
+                        )
+                    trained, unit_stats = self._correct(mb)
+                    if _reports_metrics():
+                        counts[p_idx] += trained
+                        stats.add(unit_stats)
+        dist.all_reduce(counts)
+        plans = [
+            replace(p, num_sequences=int(n)) for p, n in zip(plans, counts.tolist(), strict=True)
+        ]
+        return plans, _correction_metrics(stats)
+
+    def _correct(self, mb: MicroBatch) -> tuple[int, CorrectionStats]:
+        if mb.packed:
+            n = int(mb.cu_seqlens[-1])
+            region = (0, slice(0, n))
+            layout = PackedSequences(mb.cu_seqlens, n)
+        else:
+            region = (slice(None), slice(None))
+            layout = PaddedSequences(*mb.loss_mask.shape)
+        weights, keep, stats = importance_weights(
+            mb.old_logprobs[region],
+            mb.behaviour_logprobs[region],
+            mb.loss_mask[region],
+            layout,
+            self.correction,
+        )
+        mb.loss_mask = mb.loss_mask.clone()
+        mb.loss_mask[region] = keep
+        token_adv = torch.zeros_like(mb.loss_mask)
+        token_adv[region] = layout.to_tokens(mb.advantages) * weights
+        mb.token_advantages = token_adv
+        trained = int((layout.seq_sum(keep) > 0).sum())
+        return trained, stats
+
     def train_minibatch(self, p_idx: int, plan: MiniBatchPlan) -> dict[str, float]:
         stats = self.policy.router_stats
         replay = self.recipe.train.routing_replay
@@ -254,26 +321,32 @@ class GSPOTrainer:
         lp, entropy = token_logprobs(
             logits, mb.targets, tp_group=self.groups.tp, return_entropy=True
         )
-        if mb.num_sequences == 0:
-            # A filler micro-batch keeps the schedule in step across ranks; no loss.
+        if mb.num_sequences == 0 or not bool(mb.loss_mask.any()):
+            # A filler micro-batch (or one the off-policy correction masked entirely) keeps
+            # the schedule in step across ranks; no loss.
             zero = lp.sum() * 0
             return zero, torch.tensor(1), {"num_valid_sequences": torch.tensor(0.0)}
+        loss_fn, advantages = self.loss_fn, mb.advantages
+        if mb.token_advantages is not None:
+            loss_fn, advantages = self.token_loss_fn, mb.token_advantages
         if mb.packed:
             n = int(mb.cu_seqlens[-1])
-            loss, metrics = self.loss_fn(
+            if advantages.dim() == 2:
+                advantages = advantages[0, :n]
+            loss, metrics = loss_fn(
                 lp[0, :n],
                 mb.old_logprobs[0, :n],
-                mb.advantages,
+                advantages,
                 mb.loss_mask[0, :n],
                 cu_seqlens=mb.cu_seqlens,
                 num_sequences=num_sequences,
                 **self.loss_kwargs,
             )
         else:
-            loss, metrics = self.loss_fn(
+            loss, metrics = loss_fn(
                 lp,
                 mb.old_logprobs,
-                mb.advantages,
+                advantages,
                 mb.loss_mask,
                 num_sequences=num_sequences,
                 **self.loss_kwargs,
@@ -329,13 +402,24 @@ class GSPOTrainer:
         metrics: dict[str, float] = {}
         if not from_rollout:
             metrics.update(self.compute_old_logprobs(plans))
+        if self.correction.mode != "none":
+            plans, corrected = self.apply_off_policy_correction(plans)
+            metrics.update(corrected)
         stats = self.policy.router_stats
         if stats is not None:
             stats.reset_counts()
         per_mini = defaultdict(list)
         for p_idx, plan in enumerate(plans):
+            if plan.num_sequences == 0:
+                # Everything masked: no update from this mini-batch (Adam would still move).
+                continue
             for k, v in self.train_minibatch(p_idx, plan).items():
                 per_mini[k].append(v)
+        if not per_mini:
+            raise ValueError(
+                "the off-policy correction masked every sequence of the batch; widen "
+                "train.off_policy_correction's band or check the rollout engine's log-probs"
+            )
         metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
         metrics["seq_log_ratio_abs_max"] = max(per_mini["seq_log_ratio_abs_max"])
         if stats is not None:
@@ -365,3 +449,24 @@ class GSPOTrainer:
         if counts[1] > 0:
             out["routing_flip_rate"] = float(counts[0] / counts[1])
         return out
+
+
+def _correction_metrics(stats: CorrectionStats) -> dict[str, float]:
+    """Summed over the world (each replica measured its own samples once)."""
+    sums = torch.tensor(
+        [stats.units, stats.weight_sum, stats.truncated, stats.masked], dtype=torch.float64
+    )
+    low = torch.tensor([stats.weight_min], dtype=torch.float64)
+    high = torch.tensor([stats.weight_max], dtype=torch.float64)
+    dist.all_reduce(sums)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    units, weight_sum, truncated, masked = sums.tolist()
+    kept = max(units - masked, 1.0)
+    return {
+        "is_weight_mean": weight_sum / kept,
+        "is_weight_min": float(low) if units > masked else float("nan"),
+        "is_weight_max": float(high) if units > masked else float("nan"),
+        "is_truncated_fraction": truncated / max(units, 1.0),
+        "is_masked_fraction": masked / max(units, 1.0),
+    }

@@ -289,6 +289,46 @@ def test_after_each_sync_the_moe_server_computes_what_the_trainer_does(
     _check_sync(moe_server, moe_dir, tmp_path, VLLM_TINY_MOE, world, parallel, weight_sync)
 
 
+def _train_with_vllm(rank, world, data: dict, steps: int, key: str):
+    import os
+
+    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+    from tests.test_train_loop import _train
+
+    os.environ[JOB_KEY_ENV] = key
+    _train(rank, world, data, steps, True)
+
+
+@requires_vllm
+def test_the_training_loop_samples_from_vllm_one_step_off_policy(moe_server, moe_dir, tmp_path):
+    """``megatron-gspo train`` with the vLLM engine and ``max_staleness: 1``: the first sync
+    replaces the served checkpoint with the trainer's weights, each batch after the first
+    comes from the weights one update old, and the server ends on the last version."""
+    from tests.test_train_loop import _metrics, loop_recipe
+
+    data = loop_recipe(
+        tmp_path / "run",
+        model=VLLM_TINY_MOE.model_dump(),
+        rollout={
+            "engine": "vllm",
+            "max_staleness": 1,
+            "vllm": {"urls": [moe_server.url], "bucket_mb": 0.1, "sync_timeout_s": 120},
+        },
+        run={"plot_every": 0, "tensorboard": False},
+    )
+    client = VLLMClient([moe_server.url], api_key=moe_server.key)
+    try:
+        run_distributed(_train_with_vllm, 1, data, 3, moe_server.key)
+        held = client.rpc(moe_server.url, "gspo_weights_version")[0]["version"]
+    finally:
+        client.rpc(moe_server.url, "gspo_load_from_path", {"path": str(moe_dir), "version": 0})
+    records = _metrics(tmp_path / "run")
+    assert [r["staleness_max"] for r in records] == [0, 1, 1], records
+    assert records[0]["rollout_logprob_abs_diff"] < LOGPROB_ATOL, "the first batch is on-policy"
+    assert records[-1]["rollout_kl_k3"] > 0
+    assert held == 3, f"the server holds version {held} after 3 steps"
+
+
 def _mismatched_trainer(rank, world, cfg, url, key):
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel

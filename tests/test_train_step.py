@@ -200,3 +200,65 @@ def test_rollout_mismatch_metrics_follow_their_formulas():
         assert abs(metrics[key] - value) <= 1e-5 * value, (
             f"{key} = {metrics[key]:.6g}, expected {value:.6g} from its formula"
         )
+
+
+def test_masked_is_trains_exactly_the_sequences_it_keeps():
+    """Sequence-level MIS on a batch where some samples' rollout log-probs are far off the
+    policy's (w = e^-3, outside [0.5, 2]) and the others exact (w = 1): the update equals
+    training on the kept samples alone, so the masked ones left the global count too."""
+    import dataclasses
+
+    base = rollout_batch(seed=11)
+    recipe = _one_minibatch(packing=True)
+    _, reference = run_distributed(_old_logprob_pass, 1, recipe, base)[0]
+    far = set(range(0, len(base), 3))
+    samples = [
+        dataclasses.replace(s, rollout_logprobs=(ref + (3.0 if i in far else 0.0)).tolist())
+        for i, (s, ref) in enumerate(zip(base, reference, strict=True))
+    ]
+    corrected = tiny_recipe(
+        optimizer=LINEAR_ADAM,
+        train={
+            "mini_batches": 1,
+            "off_policy_correction": {"mode": "mis", "level": "sequence"},
+        },
+    )
+    kept = [s for i, s in enumerate(samples) if i not in far]
+    (mc,), start, wc = run_distributed(_step, 1, corrected, samples)[0]
+    (mk,), _, wk = run_distributed(_step, 1, recipe, kept, 1, start)[0]
+    assert mc["is_masked_fraction"] == pytest.approx(len(far) / len(samples))
+    assert mc["is_weight_min"] == pytest.approx(1.0, abs=1e-4), mc["is_weight_min"]
+    assert abs(mc["loss"] - mk["loss"]) <= 1e-6 * max(1.0, abs(mk["loss"])), (
+        mc["loss"],
+        mk["loss"],
+    )
+    err = _max_rel_weight_diff(wc, wk, start)
+    assert err <= 1e-4, f"MIS update differs from training on the kept samples by {err:.2e}"
+
+
+def test_corrections_of_on_policy_samples_change_nothing():
+    """Rollout log-probs equal to the old policy's (w = 1): TIS and MIS at either level give the
+    update of no correction, so the token form GSPO switches to is GSPO itself."""
+    import dataclasses
+
+    base = rollout_batch(seed=13)
+    plain = _one_minibatch(packing=True)
+    _, reference = run_distributed(_old_logprob_pass, 1, plain, base)[0]
+    samples = [
+        dataclasses.replace(s, rollout_logprobs=ref.tolist())
+        for s, ref in zip(base, reference, strict=True)
+    ]
+    (m0,), start, w0 = run_distributed(_step, 1, plain, samples)[0]
+    for correction in (
+        {"mode": "tis", "level": "token"},
+        {"mode": "mis", "level": "sequence"},
+    ):
+        recipe = tiny_recipe(
+            optimizer=LINEAR_ADAM,
+            train={"mini_batches": 1, "off_policy_correction": correction},
+        )
+        (m,), _, w = run_distributed(_step, 1, recipe, samples, 1, start)[0]
+        assert m["is_masked_fraction"] == 0 and m["is_truncated_fraction"] == 0, m
+        assert abs(m["loss"] - m0["loss"]) <= 1e-6 * max(1.0, abs(m0["loss"])), correction
+        err = _max_rel_weight_diff(w, w0, start)
+        assert err <= 1e-4, f"{correction}: update differs from no correction by {err:.2e}"

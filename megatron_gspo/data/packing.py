@@ -35,6 +35,8 @@ class Sample:
     reward: float = 0.0
     # Index of the prompt the sample answers (groups share it).
     prompt_index: int = 0
+    # The weights version (updates applied) that generated it, where the engine knows.
+    policy_version: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,10 +65,18 @@ class MicroBatch:
         return self.cu_seqlens is not None
 
     has_rollout_logprobs: bool = False
+    # The rollout's (behaviour policy's) log-probs, kept when old_logprobs is recomputed.
+    behaviour_logprobs: torch.Tensor | None = None
+    # Per-token advantages where an off-policy correction weighs tokens (else None).
+    token_advantages: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
         return len(self.sample_indices)
+
+    def __post_init__(self) -> None:
+        if self.has_rollout_logprobs and self.behaviour_logprobs is None:
+            self.behaviour_logprobs = self.old_logprobs.clone()
 
 
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:

@@ -19,8 +19,17 @@ __all__ = [
 
 
 def make_engine(recipe, policy) -> RolloutEngine:
-    """The recipe's rollout engine for this rank's policy."""
+    """The recipe's rollout engine for this rank's policy.
+
+    With ``rollout.max_staleness >= 1`` the engine must generate from rank 0 while the trainer
+    runs (``generate_rank0``): vLLM does; the embedded engine then runs in a generation worker
+    process (:mod:`megatron_gspo.rollout.local_worker`) instead of in the trainer's.
+    """
     if recipe.rollout.engine == "local":
+        if recipe.rollout.max_staleness >= 1:
+            from megatron_gspo.rollout.local_worker import LocalWorkerEngine
+
+            return LocalWorkerEngine(policy.model, recipe.model, recipe.precision)
         from megatron_gspo.rollout.local import LocalEngine
 
         return LocalEngine(policy.model)

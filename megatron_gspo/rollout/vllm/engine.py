@@ -125,19 +125,21 @@ class VLLMEngine:
 
     # -- the engine protocol -----------------------------------------------------------------
 
+    def generate_rank0(self, request: RolloutRequest) -> RolloutResult:
+        """Sample on the servers from rank 0 alone (no collectives: it may run in a thread
+        beside the trainer's); each completion is stamped with its server's weights version."""
+        assert self.client is not None, "generate_rank0 runs on global rank 0"
+        versions = self._check_versions()
+        result = self.client.generate(request)
+        for i, group in enumerate(result.completions):
+            version = versions[self.client.server_for(i)]
+            for c in group:
+                c.policy_version = version if isinstance(version, int) else None
+        return result
+
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Sample on the servers; collective: every rank receives the same result."""
-
-        def run(client: VLLMClient) -> RolloutResult:
-            versions = self._check_versions()
-            result = client.generate(request)
-            for i, group in enumerate(result.completions):
-                version = versions[client.server_for(i)]
-                for c in group:
-                    c.policy_version = version if isinstance(version, int) else None
-            return result
-
-        return self._on_rank0(run)
+        return self._on_rank0(lambda client: self.generate_rank0(request))
 
     def sync_weights(self, version: int) -> None:
         """Push the trainer's weights to every server as ``version``. Collective."""

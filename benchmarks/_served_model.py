@@ -1,0 +1,84 @@
+"""A random-weight Hugging Face model directory that a CPU vLLM server can serve.
+
+Weights through the disk sync's own writer; a word-level tokenizer (the ``tokenizers`` library
+vLLM brings) whose vocabulary is exactly the model's, since vLLM's completions need one even
+when prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.config import ModelConfig
+
+
+def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from megatron_gspo.rollout.vllm.export import write_hf_checkpoint
+    from megatron_gspo.weights.hf import HFMapping
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = (
+        (name, torch.randn(shape, generator=g) * 0.02)
+        for name, shape in HFMapping(cfg).hf_shapes.items()
+    )
+    write_hf_checkpoint(directory, cfg, tensors, dtype=torch.float32)
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = ["<unk>", "<eos>"]
+    trainer = trainers.WordLevelTrainer(vocab_size=cfg.vocab_size, special_tokens=specials)
+    words = [f"w{i}" for i in range(cfg.vocab_size - len(specials))]
+    tok.train_from_iterator([" ".join(words)] * 2, trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", '
+        '"eos_token": "<eos>"}\n'
+    )
+    return directory
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(
+    model_dir: Path, extra_args: list[str], *, env: dict | None = None, cpu: int | None = None
+):
+    """A vLLM server on ``model_dir`` as ``launch`` starts them; yields ``(url, key)``."""
+    import os
+    import subprocess
+    import time
+
+    from megatron_gspo.rollout.vllm.client import wait_until_healthy
+    from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+
+    key, port = new_job_key(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    full_env = {**server_env(key), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    cmd = server_command(str(model_dir), host="127.0.0.1", port=port, extra_args=extra_args)
+    pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    with open(model_dir.parent / "server.log", "w") as log:
+        server = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+            preexec_fn=pin,
+        )  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            wait_until_healthy([url], timeout_s=600, interval_s=1)
+            print(f"server ready in {time.perf_counter() - t0:.0f} s ({url})")
+            yield url, key
+        finally:
+            os.killpg(server.pid, 15)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)

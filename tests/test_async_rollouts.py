@@ -1,0 +1,131 @@
+"""Asynchronous rollouts (``rollout.max_staleness``): K = 0 is the on-policy loop bit for bit,
+the staleness bound holds however slow the trainer, and a run with K >= 1 resumes exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.config import Recipe
+from tests._dist import run_distributed
+from tests.test_train_loop import _metrics, _train, _weights, loop_recipe
+
+TIME_KEYS = ("time_", "_s", "_per_s")
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not (k.startswith("time_") or k.endswith(TIME_KEYS))}
+
+
+def _todays_loop(rank, world, data: dict, steps: int):
+    """The on-policy loop written out by hand: sample, score, update, in that order."""
+    from megatron_gspo.data.prompts import PromptStream
+    from megatron_gspo.data.rewards import RewardComputer
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+    from megatron_gspo.rollout import RolloutRequest, SamplingParams
+    from megatron_gspo.rollout.local import LocalEngine
+    from megatron_gspo.train import score
+    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.weights import gather_full_state_dict
+
+    recipe = Recipe.model_validate(data)
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    stream = PromptStream(recipe.data, seed=recipe.rollout.seed)
+    rewards, trainer, engine = RewardComputer(recipe.reward), GSPOTrainer(policy), None
+    engine = LocalEngine(policy.model)
+    r = recipe.rollout
+    records = []
+    for step in range(1, steps + 1):
+        prompts = stream.next_batch(r.prompts_per_step)
+        params = SamplingParams(
+            group_size=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(stream.tokenizer.eos_id,),
+            seed=r.seed * 1_000_003 + step,
+        )
+        result = engine.generate(RolloutRequest([p.token_ids for p in prompts], params))
+        samples, metrics = score(result, prompts, stream, rewards, recipe)
+        metrics.update(trainer.step(samples))
+        records.append({"step": step, **metrics})
+    rewards.close()
+    return records, gather_full_state_dict(policy.model)
+
+
+def test_max_staleness_0_is_the_on_policy_loop_bit_for_bit(tmp_path):
+    data = loop_recipe(tmp_path / "run", run={"plot_every": 0, "tensorboard": False})
+    assert Recipe.model_validate(data).rollout.max_staleness == 0
+    run_distributed(_train, 1, data, 3, True)
+    reference, ref_weights = run_distributed(_todays_loop, 1, data, 3)[0]
+    records = _metrics(tmp_path / "run")
+    for got, want in zip(records, reference, strict=True):
+        want = _comparable(want)
+        got = {k: v for k, v in _comparable(got).items() if k in want}
+        assert got == want, f"step {want['step']} differs from the on-policy loop"
+    weights = run_distributed(_weights, 1, data, 3)[0]
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def _slow_train(rank, world, data: dict, steps: int, delay_s: float):
+    """The loop with a trainer that takes ``delay_s`` longer per step than it needs."""
+    import time
+
+    from megatron_gspo.train_step import GSPOTrainer
+
+    step = GSPOTrainer.step
+
+    def slow(self, samples):
+        time.sleep(delay_s)
+        return step(self, samples)
+
+    GSPOTrainer.step = slow
+    _train(rank, world, data, steps, True)
+
+
+def test_staleness_never_exceeds_the_bound_even_with_a_slow_trainer(tmp_path):
+    k = 2
+    data = loop_recipe(
+        tmp_path / "run",
+        rollout={"max_staleness": k},
+        run={"plot_every": 0, "tensorboard": False, "checkpoint_every": 1000},
+    )
+    # The generator could run far ahead while the trainer sleeps; it must not.
+    run_distributed(_slow_train, 1, data, 6, 0.5)
+    records = _metrics(tmp_path / "run")
+    lag = [r["staleness_max"] for r in records]
+    assert max(lag) <= k, f"a batch staler than {k} versions was trained on: {lag}"
+    # The schedule is deterministic: the first batches come from the initial weights.
+    assert lag == [0, 1, 2, 2, 2, 2], lag
+    assert all(r["staleness_mean"] <= r["staleness_max"] for r in records)
+    assert all(r["rollout_batches_dropped"] == 0 for r in records)
+    assert records[-1]["rollout_kl_k3"] > 0, "stale samples should differ from the old policy"
+
+
+def test_staleness_1_under_two_ranks_resumes_exactly(tmp_path):
+    """Batches queued at a checkpoint are saved with it, so 2 + 2 steps equal 4 (EP2)."""
+    parallel = {"expert_model_parallel_size": 2}
+    memory = {"use_distributed_optimizer": False}
+    common = dict(
+        rollout={"max_staleness": 1},
+        parallel=parallel,
+        memory=memory,
+        run={"plot_every": 0, "tensorboard": False},
+    )
+    straight = loop_recipe(tmp_path / "straight", **common)
+    split = loop_recipe(tmp_path / "split", **common)
+    run_distributed(_train, 2, straight, 4, True)
+    run_distributed(_train, 2, split, 2, True)
+    run_distributed(_train, 2, split, 4, True)
+    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["staleness_max"] for r in a] == [0, 1, 1, 1]
+    for ra, rb in zip(a, b, strict=True):
+        assert _comparable(ra) == _comparable(rb), f"step {ra['step']} differs after resume"
+    wa = run_distributed(_weights, 2, straight, 4)[0]
+    wb = run_distributed(_weights, 2, split, 4)[0]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
+    queued = Path(tmp_path / "split" / "checkpoints" / "iter_0000002" / "trainer_state.json")
+    assert '"rollout_queue"' in queued.read_text()
