@@ -8,14 +8,18 @@ names the newest complete one and is replaced atomically after the rename. A pro
 mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
 removes the debris.
 
-The optimizer uses Megatron's ``dp_reshardable`` format: fully parallel and resumable with the
-same layout or another data-parallel size, not with other TP/PP/EP sizes (convert through the
-model weights for that).
+A ``manifest.json`` records the layout it was saved with and every file's size and SHA-256;
+loading verifies them first (all ranks, a share each) and names a missing, truncated or
+changed file. Model and optimizer are saved in Megatron-Core's reshardable forms (the
+distributed optimizer's ``fully_reshardable``), so a run resumes on another TP/PP/EP/DP layout.
+Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,13 +28,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_gspo.policy import Policy
 from megatron_gspo.rng import get_rng_state, set_rng_state
 
-_OPTIM_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Reshardable over TP, PP, EP and DP: a run resumes on another layout (fully_reshardable
+# gathers the distributed optimizer's states per parameter; see benchmarks/checkpoint.py).
+_OPTIM_FORMAT = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
 LATEST = "latest"
+
+log = logging.getLogger(__name__)
 
 
 def _name(step: int) -> str:
@@ -72,22 +83,107 @@ def _init_optimizer_state(policy: Policy) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(p)
 
 
+def _keep_torch_adam_step(policy: Policy) -> None:
+    """Work around Megatron-Core 0.16 loading ``fully_reshardable`` distributed-optimizer states
+    into torch's Adam (its fallback without Transformer Engine or apex): it restores Adam's
+    per-parameter ``step`` from the param groups, then copies every state tensor from the
+    checkpoint, ``step`` included, which the checkpoint keeps elsewhere (a KeyError). The
+    copy of ``step`` onto itself is what the loader means."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or getattr(opt, "_gspo_step_kept", False):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            step = opt.optimizer.state[main].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        opt._gspo_step_kept = True
+
+
+def _unshare_adam_steps(policy: Policy) -> None:
+    """Give every parameter its own Adam ``step`` again after a load.
+
+    Megatron-Core 0.16's distributed optimizer restores torch Adam's per-parameter ``step`` as
+    one tensor object shared by all parameters; torch increments each parameter's ``step`` in
+    place, so the shared one would advance once per parameter per update and skew Adam's bias
+    correction from the first step after a resume."""
+    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+_WRITER_MANAGER = None
+
+
+def _writer_manager_init(parent_pid: int) -> None:
+    from megatron_gspo.procs import die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+
+
 def _start_writer_queue_ignoring_sigterm() -> None:
-    """Start Megatron's checkpoint-writer results queue with SIGTERM ignored.
+    """Start Megatron's checkpoint-writer results queue in a helper that survives SIGTERM
+    and dies with the trainer.
 
     The first ``dist_checkpointing.save`` starts a multiprocessing ``Manager`` process and keeps
     it. Slurm signals every process of a job (requeue, pre-emption, scancel), so that helper
-    would die with the SIGTERM whose point is to let the trainer save, and that save then fails
-    on a broken pipe. An ignored signal stays ignored across the helper's exec; SIGKILL still
-    ends it.
+    would die with the SIGTERM whose point is to let the trainer save, and that save would fail
+    on a broken pipe; and after a SIGKILL of the trainer it would live on, orphaned. The
+    manager started here ignores SIGTERM and is killed by the kernel when the trainer exits.
     """
+    global _WRITER_MANAGER
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        filesystem_async._get_write_results_queue()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    if _WRITER_MANAGER is not None or filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_writer_manager_init, initargs=(os.getpid(),))
+    _WRITER_MANAGER = manager
+    filesystem_async._results_queue = manager.Queue()
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or used; the message names the file."""
+
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def current_layout(policy: Policy) -> dict[str, int]:
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "distributed_optimizer": int(policy.recipe.memory.use_distributed_optimizer),
+    }
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 class Checkpointer:
@@ -97,6 +193,7 @@ class Checkpointer:
         self.policy = policy
         self.keep = keep
         self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
 
     def latest_step(self) -> int | None:
         path = self.dir / LATEST
@@ -104,7 +201,10 @@ class Checkpointer:
             return None
         text = path.read_text().strip()
         if not text.isdigit() or not (self.dir / _name(int(text))).is_dir():
-            raise RuntimeError(f"{path}: names no complete checkpoint ({text!r})")
+            raise CheckpointError(
+                f"{path}: names no complete checkpoint ({text!r}); point it at one of "
+                f"{sorted(p.name for p in self.dir.glob('iter_*')) or 'none'} or start afresh"
+            )
         return int(text)
 
     def _sharded_state(self, *, loading: bool) -> dict:
@@ -116,7 +216,21 @@ class Checkpointer:
             ),
         }
 
+    def _check_finite(self, step: int) -> None:
+        bad = torch.zeros(1)
+        for name, param in self.policy.model.named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                bad.fill_(1.0)
+                log.error("weight %s holds NaN or inf at step %d", name, step)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise CheckpointError(
+                f"the weights hold NaN or inf at step {step}: refusing to checkpoint them "
+                f"({self.dir / LATEST} still names the last good checkpoint)"
+            )
+
     def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
+        self._check_finite(step)
         final = self.dir / _name(step)
         tmp = self.dir / f".{_name(step)}.tmp"
         if self.rank == 0:
@@ -135,6 +249,7 @@ class Checkpointer:
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         dist.barrier()
+        self._write_manifest(tmp, step)
         if self.rank == 0:
             _fsync_dir(tmp)
             if final.exists():
@@ -146,18 +261,87 @@ class Checkpointer:
         dist.barrier()
         return final
 
+    def _write_manifest(self, directory: Path, step: int) -> None:
+        """Every file's size and SHA-256 (hashed by all ranks, a share each) and the layout."""
+        files = _files(directory)
+        mine = {
+            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for i, p in enumerate(files)
+            if i % self.world == self.rank
+        }
+        parts: list[dict] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(parts, mine)
+        if self.rank == 0:
+            manifest = {
+                "format": 1,
+                "step": step,
+                "layout": current_layout(self.policy),
+                "files": {k: v for part in parts for k, v in sorted(part.items())},
+            }
+            (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    def verify(self, step: int) -> dict[str, Any] | None:
+        """Check every file against the manifest (each rank a share); returns the manifest.
+
+        Raises :class:`CheckpointError` naming the first missing, resized or changed file.
+        A checkpoint written before manifests existed is accepted with a warning.
+        """
+        path = self.dir / _name(step)
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            log.warning("%s has no %s: its files cannot be verified", path, MANIFEST)
+            return None
+        manifest = json.loads(manifest_path.read_text())
+        problems = []
+        for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
+            if i % self.world != self.rank:
+                continue
+            file = path / rel
+            if not file.is_file():
+                problems.append(f"{file}: missing")
+            elif file.stat().st_size != meta["bytes"]:
+                problems.append(
+                    f"{file}: {file.stat().st_size} bytes, {meta['bytes']} when written "
+                    "(truncated?)"
+                )
+            elif _sha256(file) != meta["sha256"]:
+                problems.append(f"{file}: checksum differs from when it was written (corrupt)")
+        found: list[list[str]] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(found, problems)
+        problems = [p for part in found for p in part]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}")
+        return manifest
+
     def load(self, step: int) -> dict[str, Any]:
         path = self.dir / _name(step)
+        manifest = self.verify(step)
+        saved_layout = (manifest or {}).get("layout")
+        resharded = saved_layout is not None and saved_layout != current_layout(self.policy)
+        if resharded:
+            log.info("resharding %s: saved as %s, loading as %s", path, saved_layout,
+                     current_layout(self.policy))  # fmt: skip
         _init_optimizer_state(self.policy)
-        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
-        self.policy.model.load_state_dict(loaded["model"])
-        # Megatron copies into views of parameters that require grad.
-        with torch.no_grad():
-            self.policy.optimizer.load_state_dict(loaded["optimizer"])
+        _keep_torch_adam_step(self.policy)
+        try:
+            loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+            self.policy.model.load_state_dict(loaded["model"])
+            # Megatron copies into views of parameters that require grad.
+            with torch.no_grad():
+                self.policy.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(self.policy)
+        except Exception as e:
+            hint = f" (saved with layout {saved_layout})" if resharded else ""
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded{hint}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:500] if str(e) else ''}"
+            ) from e
         state = json.loads((path / "trainer_state.json").read_text())
         self.policy.scheduler.load_state_dict(state.pop("scheduler"))
         rng = path / f"rng_rank{self.rank:05d}.pt"
-        if rng.is_file():
+        # A rank of another layout plays another part: its generators start fresh.
+        if rng.is_file() and not resharded:
             saved = torch.load(rng, weights_only=True)
             if isinstance(saved, dict):
                 set_rng_state(saved)

@@ -225,6 +225,11 @@ class RolloutConfig(_Section):
     # batches while the trainer trains on the current one, from weights at most K updates
     # older than the policy that trains on them.
     max_staleness: int = 0
+    # engine=local: sample in a generation worker process holding a single-rank snapshot of
+    # the weights instead of in the trainer's ranks: generation runs once rather than on every
+    # data-parallel rank, and works with any trainer layout (sequence and pipeline parallelism
+    # included). Implied by max_staleness >= 1.
+    local_worker: bool = False
     vllm: VLLMConfig = VLLMConfig()
 
     @model_validator(mode="after")

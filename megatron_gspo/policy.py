@@ -47,6 +47,14 @@ class Policy:
             routing_replay=recipe.train.routing_replay,
         )
         self.config = self.model.config
+        # Megatron keeps expert weights in an optimizer of their own only under expert
+        # parallelism, so a checkpoint's optimizer layout would change with EP. Marking them
+        # expert-parallel at EP=1 too (their gradients are then reduced over the expert
+        # data-parallel group, which at EP=1 is the data-parallel group) keeps one layout, and
+        # lets a run resume with another EP size.
+        for name, param in self.model.named_parameters():
+            if ".experts." in name:
+                param.allreduce = False
         distributed_optimizer = recipe.memory.use_distributed_optimizer
         self.ddp = DistributedDataParallel(
             self.config,
@@ -118,7 +126,27 @@ class Policy:
             finalize_model_grads([self.ddp])
         return out
 
+    def gradients_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite (collective over the world)."""
+        bad = torch.zeros(1)
+        for buffers in (self.ddp.buffers, self.ddp.expert_parallel_buffers):
+            for buffer in buffers:
+                if not bool(torch.isfinite(buffer.grad_data).all()):
+                    bad.fill_(1.0)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
+
     def optimizer_step(self) -> dict[str, float]:
+        """One optimizer step, skipped (weights, Adam states and schedule untouched) when a
+        gradient anywhere is NaN or inf: a non-finite loss or gradient never reaches the
+        weights, and so never a checkpoint."""
+        if not self.gradients_finite():
+            self.optimizer.zero_grad()
+            return {
+                "grad_norm": float("nan"),
+                "update_skipped": 1.0,
+                "lr": self.optimizer.param_groups[0]["lr"],
+            }
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return {

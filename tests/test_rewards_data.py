@@ -59,6 +59,46 @@ def test_reward_that_raises_or_times_out_scores_zero_and_is_counted():
     assert (stats.errors, stats.timeouts) == (1, 1)
 
 
+def strange_reward(response: str, answer: str) -> float:
+    return {"nan": float("nan"), "inf": float("inf"), "text": "high"}.get(response, 1.0)
+
+
+def hanging_reward(response: str, answer: str) -> float:
+    if response == "hang":
+        time.sleep(3600)
+    return 1.0
+
+
+def test_non_finite_or_non_numeric_rewards_score_zero_and_count_as_errors():
+    computer = RewardComputer(
+        RewardConfig(functions=[{"name": "tests.test_rewards_data:strange_reward"}])
+    )
+    try:
+        rewards, stats = computer(["nan", "inf", "text", "fine"], ["a"] * 4)
+    finally:
+        computer.close()
+    assert rewards == [0.0, 0.0, 0.0, 1.0] and (stats.errors, stats.timeouts) == (3, 0)
+
+
+def test_a_hanging_reward_costs_one_deadline_per_batch_and_is_killed():
+    cfg = RewardConfig(
+        functions=[{"name": "tests.test_rewards_data:hanging_reward"}], timeout_s=1.0
+    )
+    computer = RewardComputer(cfg, max_workers=2)
+    try:
+        start = time.monotonic()
+        # More hanging samples than workers: per-sample timeouts would cost 4 deadlines.
+        rewards, stats = computer(["hang"] * 4 + ["ok"], ["a"] * 5)
+        first = time.monotonic() - start
+        assert stats.timeouts >= 4 and first < 5, (stats, first)
+        # The hung workers are gone; the next batch is scored normally.
+        start = time.monotonic()
+        rewards, stats = computer(["ok", "ok"], ["a", "a"])
+        assert rewards == [1.0, 1.0] and stats.timeouts == 0 and time.monotonic() - start < 10
+    finally:
+        computer.close()
+
+
 def test_unknown_or_unimportable_reward_is_refused_at_start():
     with pytest.raises(ValueError, match="unknown reward 'exactmatch'"):
         resolve_reward("exactmatch")

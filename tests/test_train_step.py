@@ -262,3 +262,15 @@ def test_corrections_of_on_policy_samples_change_nothing():
         assert abs(m["loss"] - m0["loss"]) <= 1e-6 * max(1.0, abs(m0["loss"])), correction
         err = _max_rel_weight_diff(w, w0, start)
         assert err <= 1e-4, f"{correction}: update differs from no correction by {err:.2e}"
+
+
+def test_a_non_finite_gradient_skips_the_update():
+    """One sample with a NaN advantage makes every gradient NaN: no weight, Adam state or
+    schedule moves, and the step says so."""
+    import dataclasses
+
+    samples = rollout_batch(seed=15)
+    samples[3] = dataclasses.replace(samples[3], advantage=float("nan"))
+    (m,), start, after = run_distributed(_step, 1, _one_minibatch(packing=True), samples)[0]
+    assert m["update_skipped"] == 1.0
+    assert all(torch.equal(start[k], after[k]) for k in start), "a NaN update reached the weights"

@@ -5,19 +5,25 @@ A reward function is ``fn(response: str, answer: str, **kwargs) -> float``. Regi
 answer, checked with ``math-verify`` when installed), ``format`` (a regular expression). Any
 other name of the form ``package.module:function`` is imported.
 
-Rewards are user code: one that raises or runs past the timeout scores 0 for that sample and is
-counted in the step's metrics; it never stops the run. Names that cannot be resolved fail at
-start-up, before any compute is spent.
+Rewards are user code, so they run in worker processes, and a batch has one deadline
+(``reward.timeout_s`` for all of its samples together). The rule: a function that raises,
+returns something that is not a finite number (NaN, inf, a string), or has not answered by the
+deadline contributes 0 to that sample's reward; the first two count in ``reward_errors``, the
+last in ``reward_timeouts``; the run goes on. Workers still busy at the deadline are killed
+(a hung reward cannot hold the run, its threads or its exit) and fresh ones serve the next
+batch. Names that cannot be resolved fail at start-up, before any compute is spent.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
+import multiprocessing
+import os
 import re
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from megatron_gspo.config import RewardConfig
@@ -131,36 +137,88 @@ class RewardStats:
     timeouts: int = 0
 
 
-class RewardComputer:
-    """Weighted sum of the recipe's reward functions, each guarded by a timeout."""
+# The reward functions of this worker process (set by _init_worker).
+_WORKER_FUNCTIONS: list[tuple[RewardFn, dict]] = []
 
-    def __init__(self, config: RewardConfig, max_workers: int = 8) -> None:
-        self.functions = [
-            (resolve_reward(f.name), f.weight, f.kwargs, f.name) for f in config.functions
-        ]
+
+def _init_worker(specs: list[tuple[str, dict]], parent_pid: int) -> None:
+    from megatron_gspo.procs import die_with_parent
+
+    die_with_parent(parent_pid)
+    _WORKER_FUNCTIONS[:] = [(resolve_reward(name), kwargs) for name, kwargs in specs]
+
+
+def _score(index: int, response: str, answer: str) -> tuple[str, float | str]:
+    """One function on one sample, in a worker: ("ok", value) or ("error", message)."""
+    fn, kwargs = _WORKER_FUNCTIONS[index]
+    try:
+        value = fn(response, answer, **kwargs)
+    except Exception as e:  # noqa: BLE001 - user code; a failure scores 0
+        return "error", f"raised {type(e).__name__}: {e}"
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return "error", f"returned {value!r}, not a number"
+    if not math.isfinite(value):
+        return "error", f"returned {value}, not a finite number"
+    return "ok", value
+
+
+class RewardComputer:
+    """Weighted sum of the recipe's reward functions, computed in worker processes."""
+
+    def __init__(self, config: RewardConfig, max_workers: int | None = None) -> None:
+        for f in config.functions:
+            resolve_reward(f.name)  # fail here, at start-up, on a name that cannot be used
+        self.specs = [(f.name, dict(f.kwargs)) for f in config.functions]
+        self.weights = [f.weight for f in config.functions]
         self.timeout = config.timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+        self.workers = max_workers or max(1, min(8, os.cpu_count() or 1))
+        self._pool = None
+
+    def _ensure_pool(self):
+        if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ctx.Pool(
+                self.workers, initializer=_init_worker, initargs=(self.specs, os.getpid())
+            )
+        return self._pool
 
     def __call__(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
         stats = RewardStats()
-        futures = [
-            [self._pool.submit(fn, r, a, **kw) for fn, _, kw, _ in self.functions]
+        pool = self._ensure_pool()
+        pending = [
+            [pool.apply_async(_score, (i, r, a)) for i in range(len(self.specs))]
             for r, a in zip(responses, answers, strict=True)
         ]
-        rewards = []
-        for row in futures:
+        deadline = time.monotonic() + self.timeout
+        rewards, hung = [], False
+        for row in pending:
             total = 0.0
-            for future, (_, weight, _, name) in zip(row, self.functions, strict=True):
+            for i, result in enumerate(row):
                 try:
-                    total += weight * float(future.result(timeout=self.timeout))
-                except FutureTimeout:
-                    # The thread cannot be stopped; it finishes in the background, ignored.
+                    status, value = result.get(timeout=max(0.0, deadline - time.monotonic()))
+                except multiprocessing.TimeoutError:
                     stats.timeouts += 1
-                except Exception as e:  # noqa: BLE001 - user code; a failure scores 0
+                    hung = True
+                    continue
+                if status == "ok":
+                    total += self.weights[i] * value
+                else:
                     stats.errors += 1
-                    log.warning("reward %s raised %s: %s", name, type(e).__name__, e)
+                    log.warning("reward %s %s", self.specs[i][0], value)
             rewards.append(total)
+        if hung:
+            log.warning(
+                "%d reward call(s) missed the %.0f s deadline; restarting the reward workers",
+                stats.timeouts,
+                self.timeout,
+            )
+            self.close()
         return rewards, stats
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None

@@ -26,7 +26,7 @@ def make_engine(recipe, policy) -> RolloutEngine:
     process (:mod:`megatron_gspo.rollout.local_worker`) instead of in the trainer's.
     """
     if recipe.rollout.engine == "local":
-        if recipe.rollout.max_staleness >= 1:
+        if recipe.rollout.local_worker or recipe.rollout.max_staleness >= 1:
             from megatron_gspo.rollout.local_worker import LocalWorkerEngine
 
             return LocalWorkerEngine(policy.model, recipe.model, recipe.precision)

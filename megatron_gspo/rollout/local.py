@@ -7,8 +7,9 @@ attention; RoPE depends only on relative positions, so the shift changes nothing
 
 Every rank runs the same generation (same prompts, same random stream): expert and tensor
 parallel forwards are collective and need identical shapes on all ranks. That duplicates work
-across data-parallel ranks, which is fine for the small runs this engine is for; large runs use
-the vLLM engine. Pipeline parallelism and sequence parallelism are not supported here.
+across data-parallel ranks, and pipeline or sequence parallelism cannot decode this way:
+``rollout.local_worker: true`` samples once, in a worker process with a single-rank snapshot
+of the weights (:mod:`megatron_gspo.rollout.local_worker`), for any trainer layout.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ class LocalEngine:
         config = model.config
         if config.pipeline_model_parallel_size > 1:
             raise ValueError(
-                "rollout.engine=local needs parallel.pipeline_model_parallel_size=1; "
-                "use rollout.engine=vllm with pipeline parallelism"
+                "the in-process engine needs parallel.pipeline_model_parallel_size=1; set "
+                "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"
             )
         if config.sequence_parallel:
             raise ValueError(
-                "rollout.engine=local does not support parallel.sequence_parallel (single-token "
-                "decode steps cannot be split over tensor-parallel ranks); use rollout.engine=vllm"
+                "the in-process engine does not support parallel.sequence_parallel (single-token "
+                "decode steps cannot be split over tensor-parallel ranks); set "
+                "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"
             )
         self.model = model
         self.max_batch_size = max_batch_size

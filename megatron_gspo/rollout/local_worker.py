@@ -34,7 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model_config: ModelConfig, precision: PrecisionConfig, requests, replies) -> None:
+def _serve(
+    model_config: ModelConfig, precision: PrecisionConfig, requests, replies, parent_pid: int
+) -> None:
+    from megatron_gspo.procs import die_with_parent
+
+    die_with_parent(parent_pid)
     # A world of one of its own, whatever the trainer's environment says.
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -96,7 +101,13 @@ class LocalWorkerEngine:
             self._requests, self._replies = ctx.Queue(), ctx.Queue()
             self._proc = ctx.Process(
                 target=_serve,
-                args=(model_config, precision or PrecisionConfig(), self._requests, self._replies),
+                args=(
+                    model_config,
+                    precision or PrecisionConfig(),
+                    self._requests,
+                    self._replies,
+                    os.getpid(),
+                ),
                 daemon=True,
                 name="gspo-generation-worker",
             )
