@@ -23,7 +23,6 @@ is slower). Needs vllm (``.ci/vllm-setup.sh``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -66,18 +65,11 @@ def trainer(
     bucket_mb: float,
     queue,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    import torch
+    from benchmarks._ranks import join_world
+
+    join_world(rank, world, port)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron_gspo.config import ParallelConfig, VLLMConfig
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
@@ -129,9 +121,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     args = parser.parse_args()
 
-    import torch.multiprocessing as mp
-
-    from benchmarks._served_model import free_port, served, write_served_model
+    from benchmarks._ranks import run_ranks
+    from benchmarks._served_model import served, write_served_model
 
     cfg = model_config(args.layers)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
@@ -148,35 +139,10 @@ def main() -> None:
     extra += ["--max-num-seqs", "8"]
     with served(work / "model", extra) as (url, key):
         results = {}
-        ctx = mp.get_context("spawn")
         for world in (int(w) for w in args.worlds.split(",")):
-            queue = ctx.Queue()
-            tport = free_port()
-            procs = [
-                ctx.Process(
-                    target=trainer,
-                    args=(
-                        r,
-                        world,
-                        tport,
-                        cfg,
-                        url,
-                        key,
-                        str(sync_dir),
-                        args.repeats,
-                        args.bucket_mb,
-                        queue,
-                    ),
-                )
-                for r in range(world)
-            ]
-            for p in procs:
-                p.start()
-            got = queue.get(timeout=3600)
-            for p in procs:
-                p.join(timeout=120)
-            if any(p.exitcode for p in procs):
-                raise SystemExit(f"trainer at {world} rank(s) failed; see the output above")
+            got = run_ranks(
+                trainer, world, cfg, url, key, str(sync_dir), args.repeats, args.bucket_mb
+            )
             results[world] = got
 
     keys = [

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,9 @@ from megatron_gspo.policy import Policy
 from megatron_gspo.rng import get_rng_state, set_rng_state
 
 # Reshardable over TP, PP, EP and DP: a run resumes on another layout (fully_reshardable
-# gathers the distributed optimizer's states per parameter; see benchmarks/checkpoint.py).
-_OPTIM_FORMAT = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "chained_optim_avoid_prefix": True,
-}
+# gathers the distributed optimizer's states per parameter; benchmarks/checkpoint.py measures
+# what that costs against dp_reshardable, which resumes on the same DP size only).
+OPTIMIZER_FORMAT = "fully_reshardable"
 LATEST = "latest"
 
 log = logging.getLogger(__name__)
@@ -127,7 +124,6 @@ _WRITER_MANAGER = None
 def _writer_manager_init(parent_pid: int) -> None:
     from megatron_gspo.procs import die_with_parent
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent_pid)
 
 
@@ -186,9 +182,59 @@ def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def check_files(
+    directory: Path, *, rank: int = 0, world: int = 1
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The manifest of ``directory`` and what is wrong with this rank's share of its files."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        log.warning("%s has no %s: its files cannot be verified", directory, MANIFEST)
+        return None, []
+    manifest = json.loads(manifest_path.read_text())
+    problems = []
+    for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
+        if i % world != rank:
+            continue
+        file = directory / rel
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != meta["bytes"]:
+            problems.append(
+                f"{file}: {file.stat().st_size} bytes, {meta['bytes']} when written (truncated?)"
+            )
+        elif _sha256(file) != meta["sha256"]:
+            problems.append(f"{file}: checksum differs from when it was written (corrupt)")
+    return manifest, problems
+
+
+def _raise_problems(directory: Path, problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}")
+
+
+def verify_checkpoint(directory: str | Path) -> dict[str, Any] | None:
+    """Verify a checkpoint directory from one process (conversion, tools)."""
+    directory = Path(directory)
+    manifest, problems = check_files(directory)
+    _raise_problems(directory, problems)
+    return manifest
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, policy: Policy, *, keep: int = 2) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        policy: Policy,
+        *,
+        keep: int = 2,
+        optimizer_format: str = OPTIMIZER_FORMAT,
+    ) -> None:
         _start_writer_queue_ignoring_sigterm()
+        self.optimizer_metadata = {
+            "distrib_optim_sharding_type": optimizer_format,
+            "chained_optim_avoid_prefix": True,
+        }
         self.dir = Path(directory)
         self.policy = policy
         self.keep = keep
@@ -212,7 +258,7 @@ class Checkpointer:
         return {
             "model": model_sd,
             "optimizer": self.policy.optimizer.sharded_state_dict(
-                model_sd, is_loading=loading, metadata=_OPTIM_FORMAT
+                model_sd, is_loading=loading, metadata=self.optimizer_metadata
             ),
         }
 
@@ -287,31 +333,10 @@ class Checkpointer:
         A checkpoint written before manifests existed is accepted with a warning.
         """
         path = self.dir / _name(step)
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            log.warning("%s has no %s: its files cannot be verified", path, MANIFEST)
-            return None
-        manifest = json.loads(manifest_path.read_text())
-        problems = []
-        for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
-            if i % self.world != self.rank:
-                continue
-            file = path / rel
-            if not file.is_file():
-                problems.append(f"{file}: missing")
-            elif file.stat().st_size != meta["bytes"]:
-                problems.append(
-                    f"{file}: {file.stat().st_size} bytes, {meta['bytes']} when written "
-                    "(truncated?)"
-                )
-            elif _sha256(file) != meta["sha256"]:
-                problems.append(f"{file}: checksum differs from when it was written (corrupt)")
+        manifest, problems = check_files(path, rank=self.rank, world=self.world)
         found: list[list[str]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(found, problems)
-        problems = [p for part in found for p in part]
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}")
+        _raise_problems(path, [p for part in found for p in part])
         return manifest
 
     def load(self, step: int) -> dict[str, Any]:

@@ -27,13 +27,16 @@ def main() -> None:
 @click.option(
     "--no-extras-check",
     is_flag=True,
-    help="Check the recipe only, not whether this machine has its packages (FP8, vLLM).",
+    help="Check the recipe only, not whether this machine has its packages (FP8) and inputs "
+    "(data, tokenizer, init_from).",
 )
 def validate(recipe: str, no_extras_check: bool) -> None:
-    """Check RECIPE: keys, types, the parallel layout against the model, and needed extras.
+    """Check RECIPE: keys, types, the parallel layout against the model, needed extras, and
+    that its input files exist.
 
-    Exit 1: the recipe is invalid. Exit 3: it is valid but needs an extra not installed here
-    (a GPU recipe checked on a CPU machine)."""
+    Exit 1: the recipe is invalid. Exit 3: it is valid but cannot run on this machine (an extra
+    is not installed, or an input file is missing here: a GPU recipe checked on a laptop)."""
+    from megatron_gspo.config import missing_inputs
     from megatron_gspo.model import check_layout
 
     try:
@@ -42,10 +45,14 @@ def validate(recipe: str, no_extras_check: bool) -> None:
     except (RecipeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if not no_extras_check:
+        problems = missing_inputs(r)
         try:
             check_recipe_extras(r)
         except MissingExtraError as e:
-            click.echo(f"{recipe}: recipe ok, but not runnable on this machine: {e}", err=True)
+            problems.append(str(e))
+        if problems:
+            detail = "; ".join(problems)
+            click.echo(f"{recipe}: recipe ok, but not runnable on this machine: {detail}", err=True)
             sys.exit(3)
     click.echo(f"{recipe}: ok")
 
@@ -92,24 +99,43 @@ def _setup_logging() -> None:
     help="Continue from the newest checkpoint in the run directory, if there is one.",
 )
 @click.option("--steps", type=int, default=None, help="Override run.steps.")
-def train(recipe: str, output_dir: str | None, resume: bool, steps: int | None) -> None:
-    """Train the policy of RECIPE with GSPO (one process, or one per rank under torchrun)."""
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="With --no-resume: delete the run already in the run directory (checkpoints, "
+    "metrics, TensorBoard, plots) instead of refusing.",
+)
+def train(
+    recipe: str, output_dir: str | None, resume: bool, steps: int | None, overwrite: bool
+) -> None:
+    """Train the policy of RECIPE with GSPO (one process, or one per rank under torchrun).
+
+    Exit status 0: finished; 1: an error (one line on stderr); 75: stopped by SIGTERM after
+    saving a checkpoint (pre-emption, time limit): run the same command to resume."""
     _setup_logging()
     try:
         r = load_recipe(recipe)
         check_recipe_extras(r)
     except (RecipeError, MissingExtraError) as e:
         raise click.ClickException(str(e)) from None
-    from megatron_gspo.data.prompts import DataError
+    from megatron_gspo.errors import EXIT_PREEMPTED, one_line, user_errors
     from megatron_gspo.parallel import destroy_parallel
+    from megatron_gspo.train import Preempted
     from megatron_gspo.train import train as run_training
 
     try:
         run_dir = run_training(
-            r, output_dir=output_dir or r.run.output_dir, resume=resume, steps=steps
+            r,
+            output_dir=output_dir or r.run.output_dir,
+            resume=resume,
+            steps=steps,
+            overwrite=overwrite,
         )
-    except (DataError, FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    except Preempted as e:
+        click.echo(f"{e}; exit {EXIT_PREEMPTED}: resume with the same command", err=True)
+        sys.exit(EXIT_PREEMPTED)
+    except user_errors() as e:
+        raise click.ClickException(one_line(e)) from None
     finally:
         destroy_parallel()
     click.echo(f"run directory: {run_dir}")

@@ -251,6 +251,10 @@ class DataConfig(_Section):
     # A sentencepiece .model or a Hugging Face tokenizer.json; synthetic tasks bring their own.
     tokenizer: str | None = None
     shuffle: bool = True
+    # A prompt whose tokens leave no room for rollout.max_new_tokens within
+    # model.max_seq_length: skipped (and counted in prompts_skipped_overlong) or fatal (the
+    # error names the record).
+    overlong_prompts: Literal["skip", "fail"] = "skip"
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -369,3 +373,23 @@ def load_recipe(path: str | Path) -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_validation_error(path, e)) from None
+
+
+def missing_inputs(recipe: Recipe) -> list[str]:
+    """The recipe's input files and directories that do not exist (relative to the cwd)."""
+    wanted = []
+    if recipe.data is not None:
+        if recipe.data.path:
+            wanted.append(("data.path", recipe.data.path, "file"))
+        if recipe.data.tokenizer:
+            wanted.append(("data.tokenizer", recipe.data.tokenizer, "any"))
+    if recipe.run.init_from:
+        wanted.append(("run.init_from", recipe.run.init_from, "dir"))
+    problems = []
+    for key, value, kind in wanted:
+        path = Path(value)
+        ok = path.is_file() if kind == "file" else path.is_dir() if kind == "dir" else path.exists()
+        if not ok:
+            what = {"file": "file", "dir": "directory", "any": "path"}[kind]
+            problems.append(f"{key}: {what} {value} not found")
+    return problems

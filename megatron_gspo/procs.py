@@ -2,7 +2,10 @@
 
 A trainer killed with SIGKILL cannot clean up, so every helper it starts (reward workers, the
 generation worker, Megatron's checkpoint-writer queue) asks the kernel to kill it when its
-parent dies (Linux ``PR_SET_PDEATHSIG``); elsewhere this does nothing.
+parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere that part does nothing). Helpers also
+ignore SIGTERM and SIGINT: Slurm (requeue, pre-emption, scancel) and a terminal's Ctrl-C signal
+every process of the job, and those signals are meant for the trainer, which still needs its
+helpers to finish the step and save. A helper ends when the trainer stops it or exits.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Call in a child process started by ``parent_pid``: the kernel sends it ``sig`` when its
-    parent exits."""
+    parent exits, and SIGTERM/SIGINT no longer end it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

@@ -16,6 +16,7 @@ Every rank runs this function (``torchrun`` or a single process). One step:
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.data.rewards import RewardComputer
+from megatron_gspo.errors import PREEMPTED_MARKER
 from megatron_gspo.loss import group_advantages
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.parallel import init_parallel
@@ -110,17 +112,87 @@ def _empty_responses(result: RolloutResult) -> bool:
     return any(not c.token_ids for g in result.completions for c in g)
 
 
+PREEMPTED = PREEMPTED_MARKER
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM after saving a checkpoint at ``step``; resume to continue."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        super().__init__(f"stopped on SIGTERM after saving step {step} in {run_dir}")
+        self.step, self.run_dir = step, run_dir
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; the message says what is there."""
+
+
+# What a run writes into its directory (and --overwrite removes).
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "plots", "recipe.yaml")
+
+
+def _start_afresh(run_dir: Path, *, overwrite: bool) -> None:
+    """Refuse to start over on top of an earlier run, unless asked to delete it."""
+    present = [run_dir / name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
+    if not present:
+        return
+    if not overwrite:
+        ckpts = sorted((run_dir / "checkpoints").glob("iter_*"))
+        metrics = run_dir / "metrics.jsonl"
+        steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        raise RunDirError(
+            f"{run_dir} holds a run ({len(ckpts)} checkpoint(s), metrics for {steps} step(s)); "
+            "--no-resume would start over on top of it. Pick another --output-dir, resume it, "
+            f"or add --overwrite to delete {', '.join(p.name for p in present)}"
+        )
+    log.warning("--overwrite: deleting %s", ", ".join(str(p) for p in present))
+    for path in present:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def train(
-    recipe: Recipe, *, output_dir: str | Path, resume: bool = True, steps: int | None = None
+    recipe: Recipe,
+    *,
+    output_dir: str | Path,
+    resume: bool = True,
+    steps: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory."""
+    """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory.
+
+    ``resume=False`` starts afresh: refused where the directory holds a run, unless
+    ``overwrite`` (which deletes that run first)."""
     run_dir = Path(output_dir)
     total = steps if steps is not None else recipe.run.steps
     groups = init_parallel(recipe.parallel)
     rank0 = dist.get_rank() == 0
+    if rank0:
+        (run_dir / PREEMPTED).unlink(missing_ok=True)
+    if not resume:
+        error: list = [None]
+        if rank0:
+            try:
+                _start_afresh(run_dir, overwrite=overwrite)
+            except RunDirError as e:
+                error[0] = str(e)
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise RunDirError(error[0])
     if recipe.data is None:
         raise ValueError("the recipe has no data section (data.task or data.path)")
-    stream = PromptStream(recipe.data, seed=recipe.rollout.seed)
+    if recipe.rollout.max_new_tokens >= recipe.model.max_seq_length:
+        raise ValueError(
+            f"rollout.max_new_tokens ({recipe.rollout.max_new_tokens}) leaves no room for a "
+            f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
+        )
+    stream = PromptStream(
+        recipe.data,
+        seed=recipe.rollout.seed,
+        max_prompt_tokens=recipe.model.max_seq_length - recipe.rollout.max_new_tokens,
+    )
     if stream.tokenizer.vocab_size > recipe.model.vocab_size:
         raise ValueError(
             f"the tokenizer has {stream.tokenizer.vocab_size} ids but model.vocab_size is "
@@ -137,6 +209,7 @@ def train(
     if latest is not None:
         state = checkpoints.load(latest)
         start, stream.position = latest, state["data_position"]
+        stream.skipped = state.get("prompts_skipped", 0)
         log.info("resumed from %s at step %d", checkpoints.dir, start)
     elif recipe.run.init_from:
         policy.load_weights(recipe.run.init_from)
@@ -168,7 +241,7 @@ def train(
         rollouts.restore(state.get("rollout_queue", []))
     rollouts.resume()
     bar = _progress(total, start, enabled=rank0)
-    step = start
+    step, stopping = start, False
     for step in range(start + 1, total + 1):
         t0 = time.perf_counter()
         # The policy holds step - 1 updates; the batch may come from an older version.
@@ -177,7 +250,9 @@ def train(
             raise RuntimeError("the rollout engine returned an empty response")
         samples, metrics = score(batch.result, batch.prompts, stream, rewards, recipe)
         metrics.update(
-            staleness_metrics(samples, step - 1), rollout_batches_dropped=rollouts.dropped
+            staleness_metrics(samples, step - 1),
+            rollout_batches_dropped=rollouts.dropped,
+            prompts_skipped_overlong=stream.skipped,
         )
         t1 = time.perf_counter()
         metrics.update(trainer.step(samples))
@@ -199,7 +274,12 @@ def train(
             # Batches already generated for later steps are saved, so a resumed run trains on
             # exactly what this one would have.
             checkpoints.save(
-                step, {"data_position": stream.position, "rollout_queue": rollouts.state()}
+                step,
+                {
+                    "data_position": stream.position,
+                    "prompts_skipped": stream.skipped,
+                    "rollout_queue": rollouts.state(),
+                },
             )
         if rank0 and recipe.run.plot_every and (step % recipe.run.plot_every == 0 or step == total):
             _plot(run_dir)
@@ -215,6 +295,10 @@ def train(
     engine.close()
     if rewards is not None:
         rewards.close()
+    if stopping:
+        if rank0:
+            (run_dir / PREEMPTED).write_text(f"{step}\n")
+        raise Preempted(step, run_dir)
     return run_dir
 
 

@@ -13,7 +13,7 @@
 #   5. on exit, success or not, stops the servers (trap EXIT).
 #
 # Signals. USR1 (sbatch --signal=B:USR1@SECONDS, the time limit is near): the trainer step is
-# sent SIGTERM (it finishes its step, saves, exits 0) and the job requeues itself;
+# sent SIGTERM (it finishes its step, saves, exits 75) and the job requeues itself;
 # the next run resumes from the checkpoint. TERM (pre-emption, `scontrol requeue`, scancel):
 # Slurm signals every process of the job at once; the trainer saves if the site's KillWait /
 # GraceTime allows, and Slurm decides whether the job comes back.
@@ -186,9 +186,10 @@ wait "$trainer_pid" || trainer_rc=$?
 trainer_pid=""
 log "trainer finished with status $trainer_rc"
 
-# torchrun exits non-zero when signalled even after every rank saved and exited 0, so the
-# requeue does not look at the status: the next run resumes from the last complete checkpoint.
-if [ "$stop" = timelimit ] && [ "$REQUEUE_ON_TIMELIMIT" = 1 ]; then
+# Exit 75: the trainer stopped on SIGTERM after saving a checkpoint ("resume me"; launch
+# passes it on through torchrun). Requeued when it was the time-limit warning; after an
+# external SIGTERM (pre-emption, scontrol requeue, scancel) Slurm itself decides.
+if [ "$trainer_rc" -eq 75 ] && [ "$stop" = timelimit ] && [ "$REQUEUE_ON_TIMELIMIT" = 1 ]; then
   stop_step rollout "$rollout_pid"
   rollout_pid=""
   log "requeueing job $SLURM_JOB_ID to continue from the checkpoint"

@@ -149,6 +149,10 @@ def test_shipped_gpu_recipes_validate(recipe):
     from megatron_gspo.cli import main
 
     assert CliRunner().invoke(main, ["validate", "--no-extras-check", str(recipe)]).exit_code == 0
-    # Without the flag too: a trainer that samples from vLLM servers needs no vllm itself.
+    # Without the flag: valid but not runnable here, since the data and the checkpoint the
+    # recipe names are not on this machine (a trainer that samples from vLLM servers needs no
+    # vllm itself, so that is not what is missing).
     result = CliRunner().invoke(main, ["validate", str(recipe)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
+    assert "data.path: file data/math-train.jsonl not found" in result.output
+    assert "vllm" not in result.output.split("not runnable")[1]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -99,6 +101,23 @@ def test_a_hanging_reward_costs_one_deadline_per_batch_and_is_killed():
         computer.close()
 
 
+def test_reward_workers_survive_the_sigterm_meant_for_the_trainer():
+    # Slurm signals every process of the job; the trainer still needs its rewards to finish the
+    # step and save. The workers are ended by the computer (SIGKILL) or by the trainer's exit.
+    computer = RewardComputer(RewardConfig(functions=[{"name": "exact_match"}]), max_workers=2)
+    try:
+        assert computer(["a"], ["a"])[0] == [1.0]
+        for p in computer._procs:
+            os.kill(p.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(p.is_alive() for p in computer._procs)
+        rewards, stats = computer(["a", "b"], ["a", "a"])
+        assert rewards == [1.0, 0.0] and (stats.errors, stats.timeouts) == (0, 0)
+    finally:
+        computer.close()
+    assert not computer._procs
+
+
 def test_unknown_or_unimportable_reward_is_refused_at_start():
     with pytest.raises(ValueError, match="unknown reward 'exactmatch'"):
         resolve_reward("exactmatch")
@@ -112,11 +131,10 @@ def _jsonl(tmp_path, lines: list[str]):
     return path
 
 
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
+def train_sentencepiece(d):
+    """A 48-piece sentencepiece model of arithmetic questions, trained in a second."""
     import sentencepiece as spm
 
-    d = tmp_path_factory.mktemp("spm")
     corpus = d / "corpus.txt"
     corpus.write_text(
         "\n".join(f"what is {a} plus {b} ? {a + b}" for a in range(30) for b in range(30))
@@ -125,6 +143,11 @@ def spm_model(tmp_path_factory):
         input=str(corpus), model_prefix=str(d / "tok"), vocab_size=48, minloglevel=2
     )
     return d / "tok.model"
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    return train_sentencepiece(tmp_path_factory.mktemp("spm"))
 
 
 def test_malformed_jsonl_line_is_named(tmp_path, spm_model):

@@ -211,6 +211,31 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
     assert " run 2 on " in batch_log, batch_log
 
 
+@needs_slurm
+def test_time_limit_warning_checkpoints_exits_75_and_requeues_itself(slurm_cluster, tmp_path):
+    """USR1 (what --signal=B:USR1@N sends before the time limit): the trainer saves and exits
+    with the pre-emption status 75, which job.sh turns into a requeue; the next run resumes."""
+    steps = 8
+    job_id, run_dir = _submit(tmp_path, _recipe(tmp_path, checkpoint_every=2), steps, "gspo-tl")
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        _wait(latest.exists, "the first checkpoint", job_id=job_id)
+        saved = int(latest.read_text().strip())
+        assert saved < steps, f"the run finished ({saved}) before the warning"
+        _run("scancel", "--batch", "--signal=USR1", job_id)
+        _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the self-requeue", 180, job_id)
+        assert int(latest.read_text().strip()) > saved, "no checkpoint written on the warning"
+        _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    batch_log = next(tmp_path.glob("batch-*.out")).read_text()
+    assert "trainer finished with status 75" in batch_log, batch_log
+    assert "requeueing job" in batch_log and " run 2 on " in batch_log, batch_log
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
+    assert _steps(run_dir) == list(range(1, steps + 1)), _logs(tmp_path)
+
+
 # The orchestration in slurm/job.sh (servers started, stopped when training ends, the job
 # failing when they die), with a stand-in for `megatron-gspo launch` so no GPU or vLLM is needed.
 _STUB = """

@@ -214,7 +214,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 240, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 75, f"a run stopped after a checkpoint exits 75\n{out}"
+    assert (run / ".preempted").read_text().strip() == str(_metrics(run)[-1]["step"])
     last = _metrics(run)[-1]["step"]
     assert (run / "checkpoints" / "latest").read_text().strip() == str(last)
     assert "SIGTERM: saved a checkpoint" in out

@@ -27,8 +27,14 @@ def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[dict[str, s
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found")
     records = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: not valid UTF-8 (byte {e.start} of the line)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -40,7 +46,13 @@ def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[dict[str, s
             for key in (prompt_key, answer_key):
                 if not isinstance(record.get(key), str):
                     raise DataError(f"{path}:{line_no}: missing string field {key!r}")
-            records.append({"prompt": record[prompt_key], "answer": record[answer_key]})
+            records.append(
+                {
+                    "prompt": record[prompt_key],
+                    "answer": record[answer_key],
+                    "where": f"{path}:{line_no}",
+                }
+            )
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -53,9 +65,15 @@ class PromptStream:
     checkpoint left off.
     """
 
-    def __init__(self, config: DataConfig, *, seed: int) -> None:
+    def __init__(
+        self, config: DataConfig, *, seed: int, max_prompt_tokens: int | None = None
+    ) -> None:
         self.seed = seed
         self.position = 0
+        self.max_prompt_tokens = max_prompt_tokens
+        self.overlong = config.overlong_prompts
+        # Records passed over because their prompt is too long (since the start of this run).
+        self.skipped = 0
         self._task: SyntheticTask | None = None
         self._records: list[dict[str, str]] = []
         if config.task is not None:
@@ -81,9 +99,28 @@ class PromptStream:
         return bos + self.tokenizer.encode(text)
 
     def next_batch(self, n: int) -> list[Prompt]:
-        out = []
-        for i in range(self.position, self.position + n):
-            r = self._record(i)
-            out.append(Prompt(r["prompt"], r["answer"], self.encode_prompt(r["prompt"])))
-        self.position += n
+        """The next ``n`` prompts that fit (``position`` counts every record consumed)."""
+        out: list[Prompt] = []
+        run_of_skips = 0
+        limit = len(self._records) if self._records else 10_000
+        while len(out) < n:
+            r = self._record(self.position)
+            self.position += 1
+            ids = self.encode_prompt(r["prompt"])
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                where = r.get("where") or f"{self._task.name} example {self.position - 1}"
+                why = (
+                    f"{where}: the prompt has {len(ids)} tokens; at most "
+                    f"{self.max_prompt_tokens} fit beside rollout.max_new_tokens within "
+                    "model.max_seq_length"
+                )
+                if self.overlong == "fail":
+                    raise DataError(f"{why} (data.overlong_prompts: fail)")
+                self.skipped += 1
+                run_of_skips += 1
+                if run_of_skips > limit:
+                    raise DataError(f"no prompt fits: {why}")
+                continue
+            run_of_skips = 0
+            out.append(Prompt(r["prompt"], r["answer"], ids))
         return out

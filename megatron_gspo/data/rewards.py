@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import re
 import time
 from collections.abc import Callable
@@ -137,20 +138,8 @@ class RewardStats:
     timeouts: int = 0
 
 
-# The reward functions of this worker process (set by _init_worker).
-_WORKER_FUNCTIONS: list[tuple[RewardFn, dict]] = []
-
-
-def _init_worker(specs: list[tuple[str, dict]], parent_pid: int) -> None:
-    from megatron_gspo.procs import die_with_parent
-
-    die_with_parent(parent_pid)
-    _WORKER_FUNCTIONS[:] = [(resolve_reward(name), kwargs) for name, kwargs in specs]
-
-
-def _score(index: int, response: str, answer: str) -> tuple[str, float | str]:
-    """One function on one sample, in a worker: ("ok", value) or ("error", message)."""
-    fn, kwargs = _WORKER_FUNCTIONS[index]
+def _score(fn: RewardFn, kwargs: dict, response: str, answer: str) -> tuple[str, float | str]:
+    """One function on one sample: ("ok", value) or ("error", message)."""
     try:
         value = fn(response, answer, **kwargs)
     except Exception as e:  # noqa: BLE001 - user code; a failure scores 0
@@ -164,6 +153,22 @@ def _score(index: int, response: str, answer: str) -> tuple[str, float | str]:
     return "ok", value
 
 
+def _worker(specs: list[tuple[str, dict]], parent_pid: int, tasks, results) -> None:
+    """Score (task id, function index, response, answer) tasks until the parent kills us."""
+    from megatron_gspo.procs import die_with_parent
+
+    die_with_parent(parent_pid)
+    functions = [(resolve_reward(name), kwargs) for name, kwargs in specs]
+    results.put((None, ("ready", os.getpid())))
+    while True:
+        task_id, index, response, answer = tasks.get()
+        fn, kwargs = functions[index]
+        results.put((task_id, _score(fn, kwargs, response, answer)))
+
+
+_START_TIMEOUT_S = 120.0
+
+
 class RewardComputer:
     """Weighted sum of the recipe's reward functions, computed in worker processes."""
 
@@ -174,51 +179,94 @@ class RewardComputer:
         self.weights = [f.weight for f in config.functions]
         self.timeout = config.timeout_s
         self.workers = max_workers or max(1, min(8, os.cpu_count() or 1))
-        self._pool = None
+        self._procs: list = []
+        self._tasks = self._results = None
 
-    def _ensure_pool(self):
-        if self._pool is None:
-            ctx = multiprocessing.get_context("spawn")
-            self._pool = ctx.Pool(
-                self.workers, initializer=_init_worker, initargs=(self.specs, os.getpid())
+    def _ensure_workers(self) -> None:
+        # Processes of our own rather than multiprocessing.Pool: the workers ignore SIGTERM (Slurm
+        # sends it to every process of the job, and it is meant for the trainer, which still
+        # needs its rewards to finish the step and save), so ending them takes SIGKILL, which
+        # Pool.terminate does not send; and a Pool respawns workers while they are being killed.
+        if self._procs:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(self.specs, os.getpid(), self._tasks, self._results),
+                daemon=True,
             )
-        return self._pool
+            for _ in range(self.workers)
+        ]
+        for p in self._procs:
+            p.start()
+        # Until a worker has set up its signals a SIGTERM would end it: wait for all of them.
+        ready, deadline = 0, time.monotonic() + _START_TIMEOUT_S
+        while ready < len(self._procs) and time.monotonic() < deadline:
+            try:
+                self._results.get(timeout=0.5)
+                ready += 1
+            except queue.Empty:
+                if not any(p.is_alive() for p in self._procs):
+                    break
+        if ready == 0:
+            codes = [p.exitcode for p in self._procs]
+            self.close()
+            raise RuntimeError(f"reward workers did not start (exit codes {codes})")
 
     def __call__(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
-        stats = RewardStats()
-        pool = self._ensure_pool()
-        pending = [
-            [pool.apply_async(_score, (i, r, a)) for i in range(len(self.specs))]
-            for r, a in zip(responses, answers, strict=True)
-        ]
+        pairs = list(zip(responses, answers, strict=True))
+        n = len(self.specs)
+        self._ensure_workers()
+        for s, (r, a) in enumerate(pairs):
+            for i in range(n):
+                self._tasks.put((s * n + i, i, r, a))
         deadline = time.monotonic() + self.timeout
-        rewards, hung = [], False
-        for row in pending:
+        done: dict[int, tuple[str, float | str]] = {}
+        while len(done) < len(pairs) * n and time.monotonic() < deadline:
+            try:
+                task_id, outcome = self._results.get(timeout=min(0.5, deadline - time.monotonic()))
+            except queue.Empty:
+                # A reward that kills its process (os._exit, a crash in native code) takes its
+                # task with it; once no worker is left, nothing more can come.
+                if not any(p.is_alive() for p in self._procs):
+                    break
+                continue
+            done[task_id] = outcome
+        # What did not answer: past the deadline a timeout, before it a worker that died.
+        missing = ("timeout", None) if time.monotonic() >= deadline else ("error", "worker died")
+        stats, rewards = RewardStats(), []
+        for s in range(len(pairs)):
             total = 0.0
-            for i, result in enumerate(row):
-                try:
-                    status, value = result.get(timeout=max(0.0, deadline - time.monotonic()))
-                except multiprocessing.TimeoutError:
-                    stats.timeouts += 1
-                    hung = True
-                    continue
+            for i in range(n):
+                status, value = done.get(s * n + i, missing)
                 if status == "ok":
                     total += self.weights[i] * value
-                else:
+                elif status == "error":
                     stats.errors += 1
                     log.warning("reward %s %s", self.specs[i][0], value)
+                else:
+                    stats.timeouts += 1
             rewards.append(total)
-        if hung:
+        if len(done) < len(pairs) * n:
             log.warning(
-                "%d reward call(s) missed the %.0f s deadline; restarting the reward workers",
+                "%d reward call(s) unanswered (%d past the %.0f s deadline); restarting the "
+                "reward workers",
+                len(pairs) * n - len(done),
                 stats.timeouts,
                 self.timeout,
             )
-            self.close()
+            self.close()  # the unfinished tasks go with the workers and their queues
         return rewards, stats
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join()
+        for q in (self._tasks, self._results):
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._procs, self._tasks, self._results = [], None, None

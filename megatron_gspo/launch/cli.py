@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
+from pathlib import Path
 
 import click
 
@@ -193,4 +195,13 @@ def launch(
             wait_for_servers(layout.vllm_urls, timeout_s=rollout_wait, log=click.echo)
         except LaunchError as e:
             raise click.ClickException(str(e)) from None
-    sys.exit(run_forwarding_term(processes, workers_only=a.role == "trainer"))
+    started = time.time()
+    rc = run_forwarding_term(processes, workers_only=a.role == "trainer")
+    if a.role == "trainer" and rc != 0:
+        from megatron_gspo.errors import EXIT_PREEMPTED, PREEMPTED_MARKER
+
+        marker = Path(output_dir or r.run.output_dir) / PREEMPTED_MARKER
+        if marker.is_file() and marker.stat().st_mtime >= started - 1:
+            click.echo(f"launch: the trainer saved and stopped on SIGTERM (exit {EXIT_PREEMPTED})")
+            rc = EXIT_PREEMPTED
+    sys.exit(rc)

@@ -272,6 +272,13 @@ def megatron_to_hf(
     src, dst = Path(src), Path(dst)
     if not (src / "metadata.json").is_file():
         raise ConversionError(f"{src}: not a Megatron distributed checkpoint (no metadata.json)")
+    if (src / "manifest.json").is_file():  # a training checkpoint: check it before reading
+        from megatron_gspo.checkpoint import CheckpointError, verify_checkpoint
+
+        try:
+            verify_checkpoint(src)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from None
     cfg = load_model_config(model_config or src)
     mapping = HFMapping(cfg)
     dtype = _DTYPES[cfg.params_dtype]
@@ -361,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the command line's boundary: one line, no traceback
+        if os.environ.get("MEGATRON_GSPO_DEBUG"):
+            raise
+        first = (str(e).splitlines() or [""])[0][:500]
+        print(f"error: {args.src}: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0
