@@ -33,6 +33,11 @@ class ModelConfig(_Section):
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 1e-3
+    # Megatron-Core's load-balancing loss: "aux_loss" per micro-batch and data-parallel rank
+    # (its statistics over the TP x CP group), "seq_aux_loss" per sequence, "global_aux_loss"
+    # with the expert counts over the data-parallel group too (README: which layouts equal
+    # one rank with each).
+    moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = "aux_loss"
     rotary_base: float = 1_000_000.0
     norm_epsilon: float = 1e-6
     init_method_std: float = 0.02

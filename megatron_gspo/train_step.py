@@ -175,7 +175,16 @@ class GSPOTrainer:
         )
 
     def _model_forward(self, model, mb: MicroBatch):
-        return model(mb.tokens, mb.position_ids, mb.attention_mask)
+        padding = mb.padding_mask
+        if padding is not None and self.recipe.parallel.sequence_parallel:
+            core = model
+            while hasattr(core, "module"):
+                core = core.module
+            if not core.pre_process:
+                # GPTModel splits the mask along the sequence on the first stage only.
+                tp = self.recipe.parallel.tensor_model_parallel_size
+                padding = padding.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+        return model(mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=padding)
 
     @torch.no_grad()
     def compute_old_logprobs(self, plans: list[MiniBatchPlan]) -> dict[str, float]:

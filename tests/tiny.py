@@ -18,7 +18,8 @@ TINY_MOE = ModelConfig(
     moe_ffn_hidden_size=48,
     moe_router_topk=2,
     # The load-balancing loss is a non-linear function of the tokens each rank sees, so a
-    # data-parallel split changes it; the equivalence tests switch it off.
+    # data-parallel split changes it; the layout tests switch it off, and test it on where the
+    # layout keeps it (test_train_step.py: TP+SP, PP, and global_aux_loss under DP and EP).
     moe_aux_loss_coeff=0.0,
     rotary_base=10000,
 )

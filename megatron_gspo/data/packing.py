@@ -59,6 +59,9 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None
     # Which samples of the mini-batch are in here, in order.
     sample_indices: list[int] = field(default_factory=list)
+    # [b, s] bool, True where no sample's token is (row padding, packing fill, a filler
+    # micro-batch): the routers leave these out of the load-balancing loss and statistics.
+    padding_mask: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -208,6 +211,7 @@ def build_microbatch(
             old_logprobs=row([a[3] for a in arrays], 0.0),
             cu_seqlens=cu,
             sample_indices=list(indices),
+            padding_mask=torch.arange(width)[None] >= total,
             has_rollout_logprobs=has_rollout,
         )
     # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
@@ -230,5 +234,6 @@ def build_microbatch(
         old_logprobs=pad([a[3] for a in arrays], 0.0),
         cu_seqlens=None,
         sample_indices=list(indices),
+        padding_mask=torch.arange(width)[None] >= torch.tensor([[len(a[0])] for a in arrays]),
         has_rollout_logprobs=has_rollout,
     )

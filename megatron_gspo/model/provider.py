@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_gspo.extras import require_extra
+from megatron_gspo.model.aux_loss import guard_empty_microbatches
 from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,8 +73,8 @@ def transformer_config(
             num_moe_experts=model.num_experts,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_router_topk=model.moe_router_topk,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=_aux_loss_coeff(model),
+            moe_router_load_balancing_type=model.moe_aux_loss_type,
             # Softmax over the top-k logits equals Qwen3's softmax-then-renormalize routing.
             moe_router_score_function="softmax",
             moe_router_pre_softmax=False,
@@ -134,6 +135,21 @@ def transformer_config(
     )
 
 
+def _aux_loss_coeff(model: ModelConfig) -> float:
+    """The coefficient Megatron-Core is given for the recipe's load-balancing loss.
+
+    With ``global_aux_loss`` each data-parallel rank's loss is its share of one loss over the
+    whole data-parallel batch (its own router probabilities against the expert counts summed
+    over the DP x CP group), so the shares add up to that loss; but the router's gradients are
+    then averaged over the same group, which would divide it by its size. Scaling the
+    coefficient by that size gives the loss the recipe asks for, on any number of ranks.
+    """
+    if model.moe_aux_loss_type != "global_aux_loss":
+        return model.moe_aux_loss_coeff
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return model.moe_aux_loss_coeff * dp_cp
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -144,6 +160,7 @@ def build_model(
     use_te: bool | None = None,
 ) -> GPTModel:
     """The policy's stage for this rank; parallel state must already be initialized."""
+    guard_empty_microbatches()
     if use_te is None:
         use_te = transformer_engine_available()
     config = transformer_config(

@@ -30,6 +30,7 @@ class RouterStats:
     ``record(key)`` keeps the routes of the next forward under ``key`` (a micro-batch id);
     ``compare(key)`` counts the routes of the next forward that differ from the recorded ones.
     Expert load (tokens routed to each expert, summed over layers) accumulates in both modes.
+    Padding tokens (the router's padding mask) count in neither.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -70,15 +71,21 @@ class RouterStats:
             if self._mode is None:
                 return
             _, routing_map = outputs
-            self.expert_load += routing_map.sum(0).to(self.expert_load)
+            padding = inputs[1] if len(inputs) > 1 else None
+            real = None if padding is None else ~padding.reshape(-1)
+            counted = routing_map if real is None else routing_map[real]
+            self.expert_load += counted.sum(0).to(self.expert_load)
             idx = _topk_indices(routing_map, module.topk)
             if self._mode[0] == "record":
                 self._seen.append(idx)
                 return
             old = self._recorded.get(self._mode[1])
             if old is not None and layer < len(old) and old[layer].shape == idx.shape:
-                self.flipped += int((old[layer] != idx).any(-1).sum())
-                self.compared += idx.shape[0]
+                flips = (old[layer] != idx).any(-1)
+                if real is not None:
+                    flips = flips[real]
+                self.flipped += int(flips.sum())
+                self.compared += flips.shape[0]
 
         return hook
 
