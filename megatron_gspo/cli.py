@@ -7,10 +7,10 @@ import warnings
 
 import click
 
-from megatron_gspo.config import RecipeError, load_recipe
 from megatron_gspo.extras import MissingExtraError, check_recipe_extras
 from megatron_gspo.launch import launch
 from megatron_gspo.plan import plan
+from megatron_gspo.recipe import RecipeError, load_recipe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,8 +36,8 @@ def validate(recipe: str, no_extras_check: bool) -> None:
 
     Exit 1: the recipe is invalid. Exit 3: it is valid but cannot run on this machine (an extra
     is not installed, or an input file is missing here: a GPU recipe checked on a laptop)."""
-    from megatron_gspo.config import missing_inputs
     from megatron_gspo.model import check_layout
+    from megatron_gspo.recipe import missing_inputs
 
     try:
         r = load_recipe(recipe)

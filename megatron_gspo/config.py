@@ -6,11 +6,9 @@ typo ("num_expert") is an error naming the key and the file instead of a silentl
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class _Section(BaseModel):
@@ -314,21 +312,6 @@ class Recipe(_Section):
     reward: RewardConfig = RewardConfig()
     run: RunConfig = RunConfig()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _model_from_hf(cls, data: object) -> object:
-        """``model: {from_hf: DIR, ...}`` takes the shape from DIR/config.json; other keys in
-        the section override it."""
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            return data
-        model = dict(data["model"])
-        path = model.pop("from_hf", None)
-        if path is None:
-            return data
-        from megatron_gspo.model.hf_config import model_config_from_hf
-
-        return {**data, "model": {**model_config_from_hf(path).model_dump(), **model}}
-
     @model_validator(mode="after")
     def _check_cross_sections(self) -> Recipe:
         if self.train.routing_replay and not self.model.is_moe:
@@ -347,54 +330,3 @@ class Recipe(_Section):
                 "needs train.old_logprobs=recompute"
             )
         return self
-
-
-class RecipeError(ValueError):
-    """A recipe file that cannot be used; the message names the file and the key."""
-
-
-def _format_validation_error(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: invalid recipe"]
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        else:
-            lines.append(f"  {key}: {e['msg']}")
-    return "\n".join(lines)
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: recipe file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a mapping of sections at the top level")
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(_format_validation_error(path, e)) from None
-
-
-def missing_inputs(recipe: Recipe) -> list[str]:
-    """The recipe's input files and directories that do not exist (relative to the cwd)."""
-    wanted = []
-    if recipe.data is not None:
-        if recipe.data.path:
-            wanted.append(("data.path", recipe.data.path, "file"))
-        if recipe.data.tokenizer:
-            wanted.append(("data.tokenizer", recipe.data.tokenizer, "any"))
-    if recipe.run.init_from:
-        wanted.append(("run.init_from", recipe.run.init_from, "dir"))
-    problems = []
-    for key, value, kind in wanted:
-        path = Path(value)
-        ok = path.is_file() if kind == "file" else path.is_dir() if kind == "dir" else path.exists()
-        if not ok:
-            what = {"file": "file", "dir": "directory", "any": "path"}[kind]
-            problems.append(f"{key}: {what} {value} not found")
-    return problems

@@ -17,9 +17,9 @@ PREEMPTED_MARKER = ".preempted"
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.checkpoint import CheckpointError
-    from megatron_gspo.config import RecipeError
     from megatron_gspo.data.prompts import DataError
     from megatron_gspo.extras import MissingExtraError
+    from megatron_gspo.recipe import RecipeError
     from megatron_gspo.rollout.vllm.client import VLLMRequestError, VLLMUnavailableError
     from megatron_gspo.rollout.vllm.sync import WeightSyncError
     from megatron_gspo.weights.safetensors_io import SafetensorsError

@@ -1,14 +1,18 @@
 """One GSPO update of the policy on a batch of rollouts.
 
-Reads as the algorithm does:
+Reads as the algorithm does; each phase is a method of :class:`GSPOTrainer`:
 
-1. split the rollout batch into mini-batches (one optimizer step each);
-2. plan each mini-batch's micro-batches for every data-parallel rank (identically on all ranks,
-   so the global sequence count needs no communication);
-3. old log-probs: a forward-only pass of the pre-update policy over every mini-batch (which
-   also records the routes for the flip rate and routing replay), or the rollout's own;
-4. for each mini-batch, Megatron's schedule runs forward and backward; the last pipeline stage
-   turns vocab-parallel logits into fp32 log-probs and the policy loss; one optimizer step.
+1. ``plan``: split the rollout batch into mini-batches (one optimizer step each) and plan each
+   mini-batch's micro-batches for every data-parallel rank (identically on all ranks, so the
+   global sequence count needs no communication); ``_build`` makes this rank's tensors;
+2. ``compute_old_logprobs``: a forward-only pass of the pre-update policy over every
+   mini-batch (which also records the routes for the flip rate and routing replay), unless the
+   recipe trains on the rollout's own log-probs;
+3. ``apply_off_policy_correction``: TIS/MIS weights where the recipe asks for them;
+4. ``train_minibatch``: Megatron's schedule runs forward and backward, ``_loss`` (the loss
+   closure) turns the last stage's vocab-parallel logits into fp32 log-probs and the policy
+   loss; one optimizer step;
+5. metrics reduced over micro-batches and ranks (:mod:`megatron_gspo.step_metrics`).
 
 Normalization: Megatron averages each micro-batch's loss over the ``M`` micro-batches and the
 ``D`` data(-and-context)-parallel ranks, and scales the router's aux loss the same way. The loss
@@ -39,11 +43,13 @@ from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.policy import Policy
-
-_SEQ_METRICS = ("clip_fraction_seq", "seq_log_ratio_mean")
-_TOK_METRICS = ("clip_fraction_tok", "approx_kl", "entropy")
-_UNIT_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean")
-_MISMATCH = ("rollout_logprob_abs_diff", "rollout_kl_k3")
+from megatron_gspo.step_metrics import (
+    MISMATCH,
+    correction_metrics,
+    reduce_reports,
+    reports_metrics,
+    router_metrics,
+)
 
 
 @dataclass(frozen=True)
@@ -65,15 +71,6 @@ def _loss_kwargs(loss: LossConfig) -> dict:
     return kwargs
 
 
-def _reports_metrics() -> bool:
-    """One rank per data-parallel replica contributes metrics: TP ranks hold copies."""
-    return (
-        parallel_state.is_pipeline_last_stage()
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-    )
-
-
 class GSPOTrainer:
     """Applies the policy loss of a recipe to rollout batches with a :class:`Policy`."""
 
@@ -82,8 +79,7 @@ class GSPOTrainer:
         self.recipe = policy.recipe
         self.groups = policy.groups
         self.loss_name = self.recipe.loss.name
-        packed = self.recipe.train.packing
-        self.loss_fn = get_policy_loss(self.loss_name, packed=packed)
+        self.loss_fn = get_policy_loss(self.loss_name)
         c = self.recipe.train.off_policy_correction
         self.correction = Correction(
             mode=c.mode,
@@ -96,7 +92,7 @@ class GSPOTrainer:
         # Per-token weights need per-token advantages: GSPO takes them in its token form,
         # which with A_{i,t} = A_i w_t is GSPO with each token's gradient weighted.
         token_name = "gspo_token" if self.loss_name == "gspo" else self.loss_name
-        self.token_loss_fn = get_policy_loss(token_name, packed=packed)
+        self.token_loss_fn = get_policy_loss(token_name)
         self.loss_kwargs = _loss_kwargs(self.recipe.loss)
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
         # Sequence parallelism splits the sequence over TP ranks: pad rows to a multiple.
@@ -217,7 +213,7 @@ class GSPOTrainer:
             for rep in self._schedule(plan, forward_step, forward_only=True):
                 mb = plan.microbatches[rep["mb"]]
                 lp = rep["logprobs"].float() * mb.loss_mask
-                if mb.has_rollout_logprobs and _reports_metrics():
+                if mb.has_rollout_logprobs and reports_metrics():
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
                     diff += torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
@@ -253,14 +249,14 @@ class GSPOTrainer:
                             "train.off_policy_correction needs log-probs from the rollout engine"
                         )
                     trained, unit_stats = self._correct(mb)
-                    if _reports_metrics():
+                    if reports_metrics():
                         counts[p_idx] += trained
                         stats.add(unit_stats)
         dist.all_reduce(counts)
         plans = [
             replace(p, num_sequences=int(n)) for p, n in zip(plans, counts.tolist(), strict=True)
         ]
-        return plans, _correction_metrics(stats)
+        return plans, correction_metrics(stats)
 
     def _correct(self, mb: MicroBatch) -> tuple[int, CorrectionStats]:
         if mb.packed:
@@ -314,7 +310,9 @@ class GSPOTrainer:
         reports = self._schedule(plan, forward_step, forward_only=False)
         metrics = self.policy.optimizer_step()
         metrics.update(
-            self._reduce_reports(reports, extra_token_metrics=_MISMATCH if mismatch else ())
+            reduce_reports(
+                reports, self.unit_weight, extra_token_metrics=MISMATCH if mismatch else ()
+            )
         )
         return metrics
 
@@ -371,35 +369,6 @@ class GSPOTrainer:
         metrics["loss"] = loss.detach()
         return loss * scale, torch.tensor(1), metrics
 
-    def _reduce_reports(
-        self, reports: list[dict], extra_token_metrics: tuple[str, ...] = ()
-    ) -> dict[str, float]:
-        """Weighted sums over micro-batches here, then over data-parallel replicas."""
-        token_metrics = (*_TOK_METRICS, *extra_token_metrics)
-        keys = [*_SEQ_METRICS, *token_metrics, *_UNIT_METRICS]
-        weights = {k: "num_valid_sequences" for k in _SEQ_METRICS}
-        weights.update({k: "num_valid_tokens" for k in token_metrics})
-        weights.update({k: self.unit_weight for k in _UNIT_METRICS})
-        vec = torch.zeros(len(keys) + 3, dtype=torch.float64)
-        peak = torch.zeros(1, dtype=torch.float64)
-        if _reports_metrics():
-            for r in reports:
-                if float(r["num_valid_sequences"]) == 0:
-                    continue
-                for i, k in enumerate(keys):
-                    vec[i] += float(r[k]) * float(r[weights[k]])
-                vec[-3] += float(r["num_valid_sequences"])
-                vec[-2] += float(r["num_valid_tokens"])
-                vec[-1] += float(r["loss"])
-                peak = torch.maximum(peak, torch.tensor([float(r["seq_log_ratio_abs_max"])]))
-        dist.all_reduce(vec)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        totals = {"num_valid_sequences": vec[-3], "num_valid_tokens": vec[-2]}
-        out = {k: float(vec[i] / totals[weights[k]].clamp(min=1)) for i, k in enumerate(keys)}
-        out["loss"] = float(vec[-1])
-        out["seq_log_ratio_abs_max"] = float(peak)
-        return out
-
     # ---------------------------------------------------------------- the step
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One rollout batch: old log-probs, then one optimizer step per mini-batch."""
@@ -432,50 +401,7 @@ class GSPOTrainer:
         metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
         metrics["seq_log_ratio_abs_max"] = max(per_mini["seq_log_ratio_abs_max"])
         if stats is not None:
-            metrics.update(self._router_metrics())
+            metrics.update(
+                router_metrics(stats, sequence_parallel=self.recipe.parallel.sequence_parallel)
+            )
         return metrics
-
-    def _router_metrics(self) -> dict[str, float]:
-        stats = self.policy.router_stats
-        counts = torch.tensor([stats.flipped, stats.compared], dtype=torch.float64)
-        load = stats.expert_load.clone()
-        # Routers run on every TP rank over the same tokens only without sequence parallelism;
-        # counting on every rank and dividing by the TP size would be wrong with it, so count
-        # routes where each token is seen once: all ranks with sequence parallelism, TP rank 0
-        # without.
-        if not self.recipe.parallel.sequence_parallel and (
-            parallel_state.get_tensor_model_parallel_rank() != 0
-        ):
-            counts.zero_()
-            load.zero_()
-        dist.all_reduce(counts)
-        dist.all_reduce(load)
-        mean_load = load.mean().clamp(min=1e-12)
-        out = {
-            "expert_load_max_over_mean": float(load.max() / mean_load),
-            "expert_load_min_over_mean": float(load.min() / mean_load),
-        }
-        if counts[1] > 0:
-            out["routing_flip_rate"] = float(counts[0] / counts[1])
-        return out
-
-
-def _correction_metrics(stats: CorrectionStats) -> dict[str, float]:
-    """Summed over the world (each replica measured its own samples once)."""
-    sums = torch.tensor(
-        [stats.units, stats.weight_sum, stats.truncated, stats.masked], dtype=torch.float64
-    )
-    low = torch.tensor([stats.weight_min], dtype=torch.float64)
-    high = torch.tensor([stats.weight_max], dtype=torch.float64)
-    dist.all_reduce(sums)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    units, weight_sum, truncated, masked = sums.tolist()
-    kept = max(units - masked, 1.0)
-    return {
-        "is_weight_mean": weight_sum / kept,
-        "is_weight_min": float(low) if units > masked else float("nan"),
-        "is_weight_max": float(high) if units > masked else float("nan"),
-        "is_truncated_fraction": truncated / max(units, 1.0),
-        "is_masked_fraction": masked / max(units, 1.0),
-    }

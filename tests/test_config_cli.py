@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_gspo.config import ParallelConfig, PrecisionConfig, RecipeError, load_recipe
+from megatron_gspo.config import ParallelConfig, PrecisionConfig
+from megatron_gspo.recipe import RecipeError, load_recipe
 from tests.tiny import TINY_MOE
 
 ROOT = Path(__file__).resolve().parents[1]

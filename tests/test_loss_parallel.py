@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.loss import PACKED_POLICY_LOSSES, POLICY_LOSSES, token_logprobs
+from megatron_gspo.loss import POLICY_LOSSES, token_logprobs
 from tests._dist import run_distributed
 
 # ------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def cp_run(lp, olp, adv, adv_tok, mask, feature, cp_group, packed_lengths=None):
 
                 cu = torch.arange(B + 1, dtype=torch.int32) * n
                 args = (cat(full), cat(olp), cat(a) if token_adv else a, cat(mask))
-                loss, metrics = PACKED_POLICY_LOSSES[name](
+                loss, metrics = POLICY_LOSSES[name](
                     *args, cu_seqlens=cu, cp_group=cp_group, num_sequences=B, **eps
                 )
             else:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_gspo.loss import (
-    PACKED_POLICY_LOSSES,
     POLICY_LOSSES,
     get_policy_loss,
     grpo_loss,
@@ -321,7 +320,7 @@ def test_packed_matches_padded(name, token_adv):
     lp_k, olp_k, mask_k, cu = to_packed(lp, olp, mask, extents)
     adv_k = to_packed(adv, adv, mask, extents)[0] if token_adv else adv
     k_loss, k_grad, k_metrics = loss_and_grad(
-        PACKED_POLICY_LOSSES[name], lp_k, olp_k, adv_k, mask_k, cu_seqlens=cu, **eps
+        POLICY_LOSSES[name], lp_k, olp_k, adv_k, mask_k, cu_seqlens=cu, **eps
     )
     torch.testing.assert_close(k_loss, p_loss, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(k_grad, to_packed(p_grad, p_grad, mask, extents)[0])
@@ -361,13 +360,13 @@ def test_all_empty_batch_raises(name, packed):
     if packed:
         lp, mask, kw = lp.flatten(), mask.flatten(), dict(cu_seqlens=torch.tensor([0, 4, 8]))
     with pytest.raises(ValueError, match="no token"):
-        get_policy_loss(name, packed=packed)(lp, lp, adv, mask, **kw)
+        get_policy_loss(name)(lp, lp, adv, mask, **kw)
 
 
 def test_bad_shapes_and_cu_seqlens_raise():
     lp = torch.zeros(6)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        get_policy_loss("gspo", packed=True)(
+        get_policy_loss("gspo")(
             lp, lp, torch.ones(2), torch.ones(6), cu_seqlens=torch.tensor([0, 2, 5])
         )
     with pytest.raises(ValueError, match="advantages"):
@@ -375,8 +374,7 @@ def test_bad_shapes_and_cu_seqlens_raise():
 
 
 def test_registry():
-    assert set(POLICY_LOSSES) == set(PACKED_POLICY_LOSSES) == {"gspo", "gspo_token", "grpo"}
+    assert set(POLICY_LOSSES) == {"gspo", "gspo_token", "grpo"}
     assert get_policy_loss("gspo") is gspo_loss
-    assert get_policy_loss("grpo", packed=True) is PACKED_POLICY_LOSSES["grpo"]
     with pytest.raises(ValueError, match="gspo, gspo_token"):
         get_policy_loss("ppo")

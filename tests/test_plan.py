@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from megatron_gspo.config import MemoryConfig, load_recipe
+from megatron_gspo.config import MemoryConfig
 from megatron_gspo.plan import (
     GIB,
     PlanError,
@@ -21,6 +21,7 @@ from megatron_gspo.plan import (
     plan,
     plan_memory,
 )
+from megatron_gspo.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 MOE = REPO / "recipes" / "qwen3-30b-a3b-gspo.yaml"

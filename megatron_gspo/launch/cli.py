@@ -103,7 +103,7 @@ def launch(
 
     Servers and trainer share the job's key from $MEGATRON_GSPO_VLLM_KEY (the sbatch recipes
     generate one per job); without it no server is started."""
-    from megatron_gspo.config import RecipeError, load_recipe
+    from megatron_gspo.recipe import RecipeError, load_recipe
     from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
 
     env = dict(os.environ)
