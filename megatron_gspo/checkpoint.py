@@ -37,6 +37,7 @@ from megatron_gspo.rng import get_rng_state, set_rng_state
 # what that costs against dp_reshardable, which resumes on the same DP size only).
 OPTIMIZER_FORMAT = "fully_reshardable"
 LATEST = "latest"
+BEST = "best"
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +380,26 @@ class Checkpointer:
         for p in self.dir.glob(".iter_*.tmp"):
             shutil.rmtree(p, ignore_errors=True)
 
+    def best_step(self) -> int | None:
+        """The step ``mark_best`` named last (kept out of pruning), if any."""
+        path = self.dir / BEST
+        text = path.read_text().strip() if path.is_file() else ""
+        return int(text) if text.isdigit() and (self.dir / _name(int(text))).is_dir() else None
+
+    def mark_best(self, step: int) -> None:
+        """Name the saved checkpoint of ``step`` as the best; pruning keeps it. Collective."""
+        if self.rank == 0:
+            if not (self.dir / _name(step)).is_dir():
+                raise CheckpointError(f"no checkpoint of step {step} in {self.dir} to mark best")
+            _write_atomic(self.dir / BEST, f"{step}\n")
+            self._prune(self.latest_step() or step)
+        dist.barrier()
+
     def _prune(self, newest: int) -> None:
         if self.keep <= 0:
             return
+        best = self.best_step()
         steps = sorted(int(p.name[5:]) for p in self.dir.glob("iter_*") if p.name[5:].isdigit())
+        steps = [s for s in steps if s != best]
         for old in [s for s in steps if s != newest][: max(0, len(steps) - self.keep)]:
             shutil.rmtree(self.dir / _name(old), ignore_errors=True)

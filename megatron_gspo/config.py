@@ -176,6 +176,9 @@ class TrainConfig(_Section):
     # Off by default; with asynchronous rollouts (rollout.max_staleness >= 1) it corrects for
     # the weights versions between the sampler and the old policy.
     off_policy_correction: OffPolicyCorrection = OffPolicyCorrection()
+    # Overlong filtering (DAPO): responses cut at rollout.max_new_tokens leave the loss and
+    # the sequence count (their rewards still shape their group's advantages).
+    overlong_filter: bool = False
 
 
 class VLLMConfig(_Section):
@@ -212,6 +215,16 @@ class VLLMConfig(_Section):
         return self
 
 
+class DynamicSampling(_Section):
+    max_rounds: int = 3
+
+    @model_validator(mode="after")
+    def _check(self) -> DynamicSampling:
+        if self.max_rounds < 1:
+            raise ValueError("rollout.dynamic_sampling.max_rounds must be >= 1")
+        return self
+
+
 class RolloutConfig(_Section):
     """How responses are sampled: the embedded engine or a vLLM service."""
 
@@ -233,12 +246,21 @@ class RolloutConfig(_Section):
     # data-parallel rank, and works with any trainer layout (sequence and pipeline parallelism
     # included). Implied by max_staleness >= 1.
     local_worker: bool = False
+    # DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
+    # are sampled, up to max_rounds generations per step in all, until prompts_per_step groups
+    # with a signal are found.
+    dynamic_sampling: DynamicSampling | None = None
     vllm: VLLMConfig = VLLMConfig()
 
     @model_validator(mode="after")
     def _check_staleness(self) -> RolloutConfig:
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.dynamic_sampling is not None and self.max_staleness:
+            raise ValueError(
+                "rollout.dynamic_sampling samples more prompts within a step, which the "
+                "asynchronous pipeline (rollout.max_staleness >= 1) cannot; use one of them"
+            )
         return self
 
 
@@ -277,10 +299,48 @@ class RewardFunctionConfig(_Section):
     kwargs: dict = {}
 
 
+class OverlongPenalty(_Section):
+    """DAPO's soft overlong punishment, added to the reward: 0 up to ``rollout.max_new_tokens
+    - cache_tokens`` response tokens, then falling linearly to ``-max_penalty`` at the limit."""
+
+    cache_tokens: int
+    max_penalty: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> OverlongPenalty:
+        if self.cache_tokens < 1 or self.max_penalty < 0:
+            raise ValueError("reward.overlong_penalty: need cache_tokens >= 1, max_penalty >= 0")
+        return self
+
+
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
+    overlong_penalty: OverlongPenalty | None = None
     # A reward function that takes longer scores 0 for that sample (and is counted).
     timeout_s: float = 30.0
+
+
+class EvalConfig(_Section):
+    """Validation during training on held-out prompts, through the rollout engine."""
+
+    # Every N steps (and at step 0 and the last step); 0: no validation.
+    every: int = 0
+    # A JSONL file (data's keys and tokenizer); None: a separately seeded sample of data.task.
+    path: str | None = None
+    num_prompts: int = 64
+    # Sampled responses per prompt for eval_mean@k and eval_pass@k (besides the greedy one).
+    k: int = 4
+    temperature: float = 1.0
+    # A sampled response "passes" when its reward reaches this.
+    pass_threshold: float = 1.0
+    # Keep the checkpoint of the step with the best greedy eval_reward_mean (checkpoints/best).
+    keep_best: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.every < 0 or self.num_prompts < 1 or self.k < 1:
+            raise ValueError("eval: need every >= 0, num_prompts >= 1 and k >= 1")
+        return self
 
 
 class RunConfig(_Section):
@@ -310,10 +370,21 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     data: DataConfig | None = None
     reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
     def _check_cross_sections(self) -> Recipe:
+        if self.eval.every and self.eval.path is None and (self.data is None or not self.data.task):
+            raise ValueError("eval.every needs eval.path (JSONL) or a synthetic data.task")
+        penalty = self.reward.overlong_penalty
+        if penalty is not None and penalty.cache_tokens > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_penalty.cache_tokens ({penalty.cache_tokens}) exceeds "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
+            )
+        if self.eval.keep_best and not self.eval.every:
+            raise ValueError("eval.keep_best needs eval.every > 0")
         if self.train.routing_replay and not self.model.is_moe:
             raise ValueError("train.routing_replay needs an MoE model (model.num_experts)")
         if (

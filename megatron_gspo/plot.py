@@ -6,9 +6,10 @@ from pathlib import Path
 
 from megatron_gspo.metrics import read_metrics
 
-# (title, series): a panel plots each series that the run recorded.
+# (title, series): a panel plots each series that the run recorded ("name*": every recorded
+# series whose name starts with "name", e.g. eval_pass@4).
 PANELS = [
-    ("reward", ["reward_mean", "eval_reward_mean"]),
+    ("reward", ["reward_mean", "eval_reward_mean", "eval_mean@*", "eval_pass@*"]),
     ("clip fraction", ["clip_fraction"]),
     ("approx. KL (k3)", ["approx_kl"]),
     ("entropy", ["entropy"]),
@@ -35,7 +36,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         drawn = 0
-        for key in keys:
+        for key in _expand(keys, records):
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
                 marker = "." if len(points) < 50 else None
@@ -50,4 +51,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     tmp.replace(out)
+    return out
+
+
+def _expand(keys: list[str], records: list[dict]) -> list[str]:
+    out = []
+    for key in keys:
+        if key.endswith("*"):
+            out += sorted({k for r in records for k in r if k.startswith(key[:-1])})
+        else:
+            out.append(key)
     return out

@@ -29,8 +29,10 @@ from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.data.prompts import Prompt, PromptStream
-from megatron_gspo.data.rewards import RewardComputer
+from megatron_gspo.data.rewards import RewardComputer, overlong_penalty
+from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
 from megatron_gspo.errors import PREEMPTED_MARKER
+from megatron_gspo.evaluation import eval_prompts, evaluate, is_eval_step
 from megatron_gspo.loss import group_advantages
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.parallel import init_parallel
@@ -74,8 +76,23 @@ def score(
         payload = [rewards(texts, answers)]
     dist.broadcast_object_list(payload, src=0)
     values, stats = payload[0]
+    completions = [c for g in result.completions for c in g]
+    lengths = torch.tensor([float(len(c.token_ids)) for c in completions])
+    truncated = [c.finish_reason == "length" for c in completions]
+    penalty = recipe.reward.overlong_penalty
+    penalties = [
+        overlong_penalty(
+            len(c.token_ids), recipe.rollout.max_new_tokens, penalty.cache_tokens,
+            penalty.max_penalty,
+        )
+        if penalty is not None
+        else 0.0
+        for c in completions
+    ]  # fmt: skip
     r = torch.tensor(values, dtype=torch.float32)
-    adv = group_advantages(r, group, scale=recipe.loss.advantage_scale)
+    # Advantages see the shaped reward; reward_* metrics report the task's own.
+    shaped = r + torch.tensor(penalties, dtype=torch.float32)
+    adv = group_advantages(shaped, group, scale=recipe.loss.advantage_scale)
     samples, k = [], 0
     for p_idx, (prompt, completions) in enumerate(zip(prompts, result.completions, strict=True)):
         for c in completions:
@@ -91,9 +108,14 @@ def score(
                 )
             )
             k += 1
-    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
-    finished = [c.finish_reason == "stop" for g in result.completions for c in g]
-    per_group_std = r.view(-1, group).std(dim=1, unbiased=False) if group > 1 else torch.zeros(1)
+    finished = [c.finish_reason == "stop" for c in completions]
+    per_group_std = (
+        shaped.view(-1, group).std(dim=1, unbiased=False) if group > 1 else torch.zeros(1)
+    )
+    filtered = 0
+    if recipe.train.overlong_filter:
+        kept = [s for s, cut in zip(samples, truncated, strict=True) if not cut]
+        filtered, samples = len(samples) - len(kept), kept
     metrics = {
         "reward_mean": float(r.mean()),
         "reward_std": float(r.std(unbiased=False)),
@@ -104,7 +126,12 @@ def score(
         "finished_fraction": sum(finished) / len(finished),
         "reward_errors": float(stats.errors),
         "reward_timeouts": float(stats.timeouts),
+        "overlong_fraction": sum(truncated) / len(truncated),
     }
+    if penalty is not None:
+        metrics["overlong_penalty_mean"] = sum(penalties) / len(penalties)
+    if recipe.train.overlong_filter:
+        metrics["overlong_filtered"] = float(filtered)
     return samples, metrics
 
 
@@ -188,11 +215,11 @@ def train(
             f"rollout.max_new_tokens ({recipe.rollout.max_new_tokens}) leaves no room for a "
             f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
         )
+    max_prompt_tokens = recipe.model.max_seq_length - recipe.rollout.max_new_tokens
     stream = PromptStream(
-        recipe.data,
-        seed=recipe.rollout.seed,
-        max_prompt_tokens=recipe.model.max_seq_length - recipe.rollout.max_new_tokens,
+        recipe.data, seed=recipe.rollout.seed, max_prompt_tokens=max_prompt_tokens
     )
+    eval_set = eval_prompts(recipe, max_prompt_tokens) if recipe.eval.every else []
     if stream.tokenizer.vocab_size > recipe.model.vocab_size:
         raise ValueError(
             f"the tokenizer has {stream.tokenizer.vocab_size} ids but model.vocab_size is "
@@ -204,12 +231,13 @@ def train(
     engine = make_engine(recipe, policy)
     checkpoints = Checkpointer(run_dir / "checkpoints", policy, keep=recipe.run.keep_checkpoints)
 
-    start = 0
+    start, best_eval = 0, None
     latest = checkpoints.latest_step() if resume else None
     if latest is not None:
         state = checkpoints.load(latest)
         start, stream.position = latest, state["data_position"]
         stream.skipped = state.get("prompts_skipped", 0)
+        best_eval = state.get("eval_best")
         log.info("resumed from %s at step %d", checkpoints.dir, start)
     elif recipe.run.init_from:
         policy.load_weights(recipe.run.init_from)
@@ -239,6 +267,25 @@ def train(
     rollouts = _rollouts(recipe, engine, stream, params, next_step=start + 1)
     if latest is not None:
         rollouts.restore(state.get("rollout_queue", []))
+
+    def run_eval(step: int) -> dict[str, float]:
+        # Called while no generation is in flight (before the pipeline starts, or paused).
+        if recipe.rollout.max_staleness == 0:
+            generate = engine.generate
+        else:
+            generate = engine.generate_rank0 if rank0 else None
+        return evaluate(
+            generate,
+            eval_set,
+            stream.tokenizer.decode,
+            rewards,
+            recipe,
+            step=step,
+            stop_token_ids=params["stop_token_ids"],
+        )
+
+    if recipe.eval.every and start == 0:
+        logger.log(0, run_eval(0))
     rollouts.resume()
     bar = _progress(total, start, enabled=rank0)
     step, stopping = start, False
@@ -249,17 +296,46 @@ def train(
         if _empty_responses(batch.result):
             raise RuntimeError("the rollout engine returned an empty response")
         samples, metrics = score(batch.result, batch.prompts, stream, rewards, recipe)
+        if recipe.rollout.dynamic_sampling is not None:
+
+            def more(round_: int, step=step) -> list[Sample]:
+                prompts = stream.next_batch(recipe.rollout.prompts_per_step)
+                seed = (recipe.rollout.seed * 1_000_003 + step) * 1_009 + round_
+                request = RolloutRequest(
+                    [p.token_ids for p in prompts], SamplingParams(**params, seed=seed)
+                )
+                return score(engine.generate(request), prompts, stream, rewards, recipe)[0]
+
+            samples, filled = fill_with_signal(
+                samples,
+                more,
+                want=recipe.rollout.prompts_per_step,
+                max_rounds=recipe.rollout.dynamic_sampling.max_rounds,
+            )
+            metrics.update(filled)
+        metrics["train_groups_without_signal"] = groups_without_signal(samples)
         metrics.update(
             staleness_metrics(samples, step - 1),
             rollout_batches_dropped=rollouts.dropped,
             prompts_skipped_overlong=stream.skipped,
         )
         t1 = time.perf_counter()
-        metrics.update(trainer.step(samples))
+        if len(samples) >= recipe.train.mini_batches:
+            metrics.update(trainer.step(samples))
+        else:  # train.overlong_filter took (nearly) every response of the batch
+            log.warning("step %d: %d sample(s) left to train on; no update", step, len(samples))
+            metrics["update_skipped"] = 1.0
         # Generation in flight finishes on the weights it started with, then the sync.
         rollouts.pause()
         engine.sync_weights(step)
         t2 = time.perf_counter()
+        improved = False
+        if is_eval_step(recipe, step, total):
+            metrics.update(run_eval(step))
+            value = metrics["eval_reward_mean"]
+            improved = recipe.eval.keep_best and (best_eval is None or value > best_eval["value"])
+            if improved:
+                best_eval = {"step": step, "value": value}
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         metrics.update(
             time_rollout_s=t1 - t0,
@@ -270,7 +346,7 @@ def train(
         logger.log(step, metrics)
         _report(bar, step, total, metrics)
         stopping = stop.any_rank()
-        if step % recipe.run.checkpoint_every == 0 or step == total or stopping:
+        if step % recipe.run.checkpoint_every == 0 or step == total or stopping or improved:
             # Batches already generated for later steps are saved, so a resumed run trains on
             # exactly what this one would have.
             checkpoints.save(
@@ -279,8 +355,11 @@ def train(
                     "data_position": stream.position,
                     "prompts_skipped": stream.skipped,
                     "rollout_queue": rollouts.state(),
+                    "eval_best": best_eval,
                 },
             )
+            if improved:
+                checkpoints.mark_best(step)
         if rank0 and recipe.run.plot_every and (step % recipe.run.plot_every == 0 or step == total):
             _plot(run_dir)
         if stopping:

@@ -106,3 +106,8 @@ def _importable(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_is_valid(path):
+    load_recipe(path)

@@ -200,3 +200,28 @@ def test_hf_tokenizer_json(tmp_path):
 
     t = load_tokenizer(tmp_path)
     assert t.eos_id == 1 and t.encode("hi there") == [2, 3] and t.vocab_size == 4
+
+
+MATH_CASES = [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "1/2", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("The total is 1,000 dollars.", "1000", 1.0),
+    ("The side is \\boxed{12 \\text{ cm}}.", "12", 1.0),
+    ("x = 2/3", "\\frac{2}{3}", 1.0),
+    ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0),
+    ("\\boxed{3}", "4", 0.0),
+    ("I am not sure.", "7", 0.0),
+    ("first 12, then \\boxed{13}", "12", 0.0),
+]
+
+
+@pytest.mark.parametrize("path", ["math-verify", "built-in"])
+@pytest.mark.parametrize("response,answer,expected", MATH_CASES)
+def test_math_reward_on_real_looking_answers(monkeypatch, path, response, answer, expected):
+    from megatron_gspo.data import rewards
+
+    if path == "math-verify":
+        pytest.importorskip("math_verify")
+    else:
+        monkeypatch.setattr(rewards, "_math_verify", lambda: None)
+    assert rewards.math_answer(response, answer) == expected

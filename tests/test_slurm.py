@@ -93,6 +93,29 @@ def _finished(job_id: str) -> str | None:
     return state if state in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"} else None
 
 
+def _release_requeued(job_id: str, tmp_path: Path) -> None:
+    """Start a requeued job now instead of after Slurm's ~2-minute requeue delay.
+
+    Once the first run has ended, Slurm sets the job's begin time (and may do so after an
+    early update), so the update is repeated until the job leaves PENDING.
+    """
+    _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the requeue", 180, job_id)
+    deadline = time.monotonic() + 90  # the first run's batch script ends (or is killed)
+    while time.monotonic() < deadline and not any(
+        "batch: done (exit" in p.read_text() for p in tmp_path.glob("batch-*.out")
+    ):
+        time.sleep(1.0)
+
+    def started() -> bool:
+        if _job(job_id)["JobState"] != "PENDING":
+            return True
+        _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        time.sleep(4.0)
+        return _job(job_id)["JobState"] != "PENDING"
+
+    _wait(started, "the requeued job to start", 180, job_id)
+
+
 def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -176,8 +199,6 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
         saved = int(latest.read_text().strip())
         assert saved < steps, f"the run finished ({saved}) before it could be requeued"
         _run("scontrol", "requeue", job_id)
-        # A requeued batch job waits ~2 minutes before it is eligible again; the test does
-        # not need to, so it makes the job eligible as soon as Slurm has it pending.
         _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the requeue", 120, job_id)
         first_run = _records(run_dir)
         # Requeue SIGTERMs every process of the job; the trainer finishes its step and saves
@@ -186,7 +207,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
         assert saved_on_term > saved, (
             f"no checkpoint written on SIGTERM (latest still {saved})\n{_logs(tmp_path)}"
         )
-        _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        _release_requeued(job_id, tmp_path)
         state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
@@ -225,14 +246,14 @@ def test_time_limit_warning_checkpoints_exits_75_and_requeues_itself(slurm_clust
         _run("scancel", "--batch", "--signal=USR1", job_id)
         _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the self-requeue", 180, job_id)
         assert int(latest.read_text().strip()) > saved, "no checkpoint written on the warning"
-        _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        _release_requeued(job_id, tmp_path)
         state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     batch_log = next(tmp_path.glob("batch-*.out")).read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
     assert "trainer finished with status 75" in batch_log, batch_log
     assert "requeueing job" in batch_log and " run 2 on " in batch_log, batch_log
-    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
     assert _steps(run_dir) == list(range(1, steps + 1)), _logs(tmp_path)
 
 

@@ -60,6 +60,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
 
 
 def extract_answer(text: str) -> str | None:
@@ -71,35 +73,67 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def _normalize(text: str) -> str:
+    """LaTeX an answer is written in, reduced to what the number parser reads."""
+    text = _TEXT.sub("", text)  # units: \text{ cm}
+    text = _FRAC.sub(r"(\1)/(\2)", text)
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", "^\\circ", "\\%", "%", " "):
+        text = text.replace(token, "")
+    return text
+
+
 def _as_number(text: str) -> float | None:
-    text = text.replace(",", "").replace("$", "").strip()
+    text = _normalize(text).replace(",", "")
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text.removeprefix("-")
+    match = re.fullmatch(r"\(?([\d.]+)\)?(?:/\(?([\d.]+)\)?)?", text)
+    if match is None:
+        # A number followed by a unit word: "12cm", "5 dollars".
+        match = re.match(r"(\d+(?:\.\d+)?)[a-zA-Z]+$", text)
+        return sign * float(match.group(1)) if match else None
     try:
-        if "/" in text:
-            num, den = text.split("/", 1)
-            return float(num) / float(den)
-        return float(text)
+        num = float(match.group(1))
+        return sign * (num / float(match.group(2)) if match.group(2) else num)
     except (ValueError, ZeroDivisionError):
         return None
 
 
-def math_answer(response: str, answer: str) -> float:
-    """1 when the response's final answer equals the reference, symbolically if possible."""
-    got = extract_answer(response)
-    if got is None:
-        return 0.0
+def _math_verify():
     try:
         from math_verify import parse, verify
     except ImportError:
-        parse = verify = None
-    if verify is not None:
-        gold = parse(f"${answer}$")
-        pred = parse(f"${got}$")
+        return None
+    return parse, verify
+
+
+def math_answer(response: str, answer: str) -> float:
+    """1 when the response's final answer equals the reference: symbolically with
+    ``math-verify`` (the ``math`` extra) where installed, else by the built-in parser (a boxed
+    answer or the last number; fractions, ``\\frac``, thousands separators, units)."""
+    mv = _math_verify()
+    if mv is not None:
+        parse, verify = mv
+        gold = parse(answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$")
+        pred = parse(response)
         if gold and pred:
             return float(verify(gold, pred))
-    a, b = _as_number(got), _as_number(extract_answer(answer) or answer)
+    got = extract_answer(response)
+    if got is None:
+        return 0.0
+    # The reference is an answer, not a text to search: its last number is not its value.
+    a, b = _as_number(got), _as_number(_last_boxed(answer) or answer)
     if a is not None and b is not None:
         return float(abs(a - b) <= 1e-6 * max(1.0, abs(b)))
-    return float(got.replace(" ", "") == answer.replace(" ", ""))
+    return float(_normalize(got) == _normalize(answer))
+
+
+def overlong_penalty(length: int, max_new_tokens: int, cache_tokens: int, max_penalty: float):
+    """DAPO's soft overlong punishment of a response of ``length`` tokens: 0 up to
+    ``max_new_tokens - cache_tokens``, then linear down to ``-max_penalty`` at the limit."""
+    start = max_new_tokens - cache_tokens
+    if length <= start:
+        return 0.0
+    return -max_penalty * min(length - start, cache_tokens) / cache_tokens
 
 
 def format_match(response: str, answer: str, pattern: str = r"\\boxed\{.+\}") -> float:

@@ -1,0 +1,103 @@
+"""Validation during training: held-out prompts, answered greedily and sampled, through the
+same rollout engine and rewards as training.
+
+``eval.every: N`` evaluates at step 0, every N steps and at the last step, on the weights the
+engine holds after that step's sync. Metrics: ``eval_reward_mean`` (the greedy response's
+reward, averaged over prompts), ``eval_mean@k`` (the mean reward of ``k`` sampled responses)
+and ``eval_pass@k`` (the fraction of prompts with a sampled response whose reward reaches
+``eval.pass_threshold``). The prompts are ``eval.path`` (JSONL, in file order) or, for a
+synthetic task, a sample of the task drawn with its own seed (on a task as small as the tiny
+one the two samples share prompts; a file is the held-out set proper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from megatron_gspo.config import Recipe
+from megatron_gspo.data.prompts import Prompt, PromptStream
+from megatron_gspo.data.rewards import RewardComputer
+from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult, SamplingParams
+
+__all__ = ["eval_prompts", "evaluate", "is_eval_step", "pass_at_k"]
+
+# The eval stream of a synthetic task: a seed no training stream uses.
+_EVAL_SEED_OFFSET = 7_919_000_001
+
+
+def is_eval_step(recipe: Recipe, step: int, total: int) -> bool:
+    every = recipe.eval.every
+    return bool(every) and (step % every == 0 or step == total)
+
+
+def eval_prompts(recipe: Recipe, max_prompt_tokens: int) -> list[Prompt]:
+    data = recipe.data
+    if recipe.eval.path is not None:
+        data = data.model_copy(update={"task": None, "path": recipe.eval.path, "shuffle": False})
+        stream = PromptStream(data, seed=0, max_prompt_tokens=max_prompt_tokens)
+    else:
+        stream = PromptStream(
+            data,
+            seed=recipe.rollout.seed + _EVAL_SEED_OFFSET,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+    return stream.next_batch(recipe.eval.num_prompts)
+
+
+def pass_at_k(rewards: list[list[float]], threshold: float) -> float:
+    """The fraction of prompts with at least one response whose reward reaches ``threshold``."""
+    return sum(any(r >= threshold for r in row) for row in rewards) / len(rewards)
+
+
+def evaluate(
+    generate: Callable[[RolloutRequest], RolloutResult] | None,
+    prompts: list[Prompt],
+    decode: Callable[[list[int]], str],
+    rewards: RewardComputer | None,
+    recipe: Recipe,
+    *,
+    step: int,
+    stop_token_ids: tuple[int, ...],
+) -> dict[str, float]:
+    """The eval metrics at ``step``; collective (every rank gets rank 0's figures).
+
+    ``generate`` is the engine's collective ``generate`` (every rank passes it) or, while an
+    asynchronous pipeline is paused, rank 0's ``generate_rank0`` (``None`` elsewhere).
+    """
+    cfg = recipe.eval
+    ids = [p.token_ids for p in prompts]
+
+    def request(group: int, temperature: float, salt: int) -> RolloutRequest:
+        params = SamplingParams(
+            group_size=group,
+            temperature=temperature,
+            top_p=1.0 if temperature == 0 else recipe.rollout.top_p,
+            max_new_tokens=recipe.rollout.max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
+        )
+        return RolloutRequest(ids, params)
+
+    out: list = [None]
+    if generate is not None:
+        greedy = generate(request(1, 0.0, 0))
+        sampled = generate(request(cfg.k, cfg.temperature, 1))
+    if dist.get_rank() == 0:
+        answers = [p.answer for p in prompts]
+        texts = [decode(g[0].token_ids) for g in greedy.completions]
+        g_rewards, g_stats = rewards(texts, answers)
+        texts = [decode(c.token_ids) for g in sampled.completions for c in g]
+        s_flat, s_stats = rewards(texts, [a for a in answers for _ in range(cfg.k)])
+        s_rewards = [s_flat[i * cfg.k : (i + 1) * cfg.k] for i in range(len(prompts))]
+        out = [
+            {
+                "eval_reward_mean": sum(g_rewards) / len(g_rewards),
+                f"eval_mean@{cfg.k}": sum(s_flat) / len(s_flat),
+                f"eval_pass@{cfg.k}": pass_at_k(s_rewards, cfg.pass_threshold),
+                "eval_reward_errors": float(g_stats.errors + s_stats.errors),
+            }
+        ]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]

@@ -1,0 +1,59 @@
+"""DAPO dynamic sampling: groups without a signal are replaced by fresh ones, the loss counts
+what is trained, and a resumed run continues exactly."""
+
+from __future__ import annotations
+
+from megatron_gspo.data.packing import Sample
+from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
+from tests._dist import run_distributed
+from tests.test_async_rollouts import _comparable
+from tests.test_train_loop import _metrics, _train, loop_recipe
+
+
+def _groups(advantages: list[list[float]], tag: int) -> list[Sample]:
+    return [
+        Sample(prompt_ids=[tag, p], response_ids=[i], advantage=a, prompt_index=p)
+        for p, group in enumerate(advantages)
+        for i, a in enumerate(group)
+    ]
+
+
+def test_fill_keeps_groups_with_signal_until_the_batch_is_full():
+    first = _groups([[0, 0], [1, -1], [0, 0], [0.5, -0.5]], tag=0)  # 2 of 4 with a signal
+    calls = []
+
+    def more(round_: int) -> list[Sample]:
+        calls.append(round_)
+        return _groups([[0, 0], [2, -2], [3, -3], [0, 0]], tag=round_)
+
+    samples, m = fill_with_signal(first, more, want=3, max_rounds=5)
+    assert calls == [1]
+    assert [s.prompt_ids[0] for s in samples[::2]] == [0, 0, 1]  # two from the first batch
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    assert m == {"filtered_groups_fraction": 0.5, "dynamic_sampling_rounds": 2.0}
+    assert groups_without_signal(samples) == 0.0
+
+
+def test_fill_stops_after_max_rounds_with_what_it_has():
+    nothing = _groups([[0, 0], [0, 0]], tag=0)
+    samples, m = fill_with_signal(nothing, lambda r: nothing, want=2, max_rounds=3)
+    assert samples == [] and m["dynamic_sampling_rounds"] == 3.0
+    assert m["filtered_groups_fraction"] == 1.0
+
+
+def test_dynamic_sampling_trains_only_on_signal_and_resumes_exactly(tmp_path):
+    common = {
+        "run": {"plot_every": 0, "tensorboard": False, "checkpoint_every": 2},
+        "rollout": {"dynamic_sampling": {"max_rounds": 4}},
+    }
+    straight = loop_recipe(tmp_path / "straight", **common)
+    split = loop_recipe(tmp_path / "split", **common)
+    run_distributed(_train, 1, straight, 4, False)
+    run_distributed(_train, 1, split, 2, False)
+    run_distributed(_train, 1, split, 4, True)
+    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
+    assert any(r["filtered_groups_fraction"] > 0 for r in a), "nothing was ever filtered"
+    for r in a:
+        if r["dynamic_sampling_rounds"] < 4:  # filled: every trained group has a signal
+            assert r["train_groups_without_signal"] == 0.0, r
