@@ -38,6 +38,8 @@ from megatron_gspo.rng import get_rng_state, set_rng_state
 OPTIMIZER_FORMAT = "fully_reshardable"
 LATEST = "latest"
 BEST = "best"
+# Key prefix of the frozen reference policy's tensors (loss.kl_coef) in a checkpoint.
+_REFERENCE = "reference."
 
 log = logging.getLogger(__name__)
 
@@ -254,14 +256,17 @@ class Checkpointer:
             )
         return int(text)
 
-    def _sharded_state(self, *, loading: bool) -> dict:
+    def _sharded_state(self, *, loading: bool, reference: bool = True) -> dict:
         model_sd = self.policy.model.sharded_state_dict()
-        return {
+        state = {
             "model": model_sd,
             "optimizer": self.policy.optimizer.sharded_state_dict(
                 model_sd, is_loading=loading, metadata=self.optimizer_metadata
             ),
         }
+        if reference and self.policy.reference is not None:
+            state["reference"] = self.policy.reference.sharded_state_dict(prefix=_REFERENCE)
+        return state
 
     def _check_finite(self, step: int) -> None:
         bad = torch.zeros(1)
@@ -292,6 +297,7 @@ class Checkpointer:
             state = {
                 "step": step,
                 "scheduler": self.policy.scheduler.state_dict(),
+                "has_reference": self.policy.reference is not None,
                 **trainer_state,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
@@ -350,9 +356,17 @@ class Checkpointer:
                      current_layout(self.policy))  # fmt: skip
         _init_optimizer_state(self.policy)
         _keep_torch_adam_step(self.policy)
+        state = json.loads((path / "trainer_state.json").read_text())
+        has_reference = bool(state.pop("has_reference", False))
         try:
-            loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+            loaded = dist_checkpointing.load(
+                self._sharded_state(loading=True, reference=has_reference), str(path)
+            )
             self.policy.model.load_state_dict(loaded["model"])
+            if self.policy.reference is not None and has_reference:
+                self.policy.reference.load_state_dict(
+                    {k.removeprefix(_REFERENCE): v for k, v in loaded["reference"].items()}
+                )
             # Megatron copies into views of parameters that require grad.
             with torch.no_grad():
                 self.policy.optimizer.load_state_dict(loaded["optimizer"])
@@ -363,7 +377,13 @@ class Checkpointer:
                 f"checkpoint {path} cannot be loaded{hint}: {type(e).__name__}: "
                 f"{str(e).splitlines()[0][:500] if str(e) else ''}"
             ) from e
-        state = json.loads((path / "trainer_state.json").read_text())
+        if self.policy.reference is not None and not has_reference:
+            log.warning(
+                "%s holds no reference policy (loss.kl_coef was 0): the resumed weights "
+                "become the reference",
+                path,
+            )
+            self.policy.reset_reference()
         self.policy.scheduler.load_state_dict(state.pop("scheduler"))
         rng = path / f"rng_rank{self.rank:05d}.pt"
         # A rank of another layout plays another part: its generators start fresh.

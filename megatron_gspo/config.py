@@ -125,6 +125,17 @@ class LossConfig(_Section):
     eps_high: float | None = None
     max_log_ratio: float = 20.0
     advantage_scale: Literal["std", "none"] = "std"
+    # KL penalty against a frozen reference policy (the initial weights), off as in the GSPO
+    # paper: kl_coef * (1/N) sum_i mean_t k3, k3 = exp(ref - lp) - (ref - lp) - 1. The
+    # reference is a second copy of the weights on every GPU (plan counts it) and is saved
+    # with the checkpoints.
+    kl_coef: float = 0.0
+
+    @model_validator(mode="after")
+    def _check_kl(self) -> LossConfig:
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -280,9 +291,19 @@ class DataConfig(_Section):
     # model.max_seq_length: skipped (and counted in prompts_skipped_overlong) or fatal (the
     # error names the record).
     overlong_prompts: Literal["skip", "fail"] = "skip"
+    # A record that cannot be read (bad JSON or UTF-8, a missing or mistyped key): fatal, or
+    # skipped and counted in bad_records_skipped. The error names the file, line or row, key.
+    bad_records: Literal["skip", "fail"] = "fail"
+    # Render prompts with data.tokenizer's chat template (a Hugging Face tokenizer directory),
+    # as a user message after system_prompt; chat_template_kwargs reach the template.
+    chat_template: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict = {}
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
+        if self.chat_template and self.tokenizer is None:
+            raise ValueError("data.chat_template needs data.tokenizer (a tokenizer directory)")
         if (self.task is None) == (self.path is None):
             raise ValueError("set exactly one of data.task (a synthetic task) or data.path (JSONL)")
         if self.path is not None and self.tokenizer is None:

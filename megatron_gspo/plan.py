@@ -343,6 +343,9 @@ def plan_memory(
         "logits (bf16 + fp32)": logits,
         "runtime (CUDA, NCCL, fragmentation)": RUNTIME_OVERHEAD_GIB * GIB,
     }
+    if recipe.loss.kl_coef > 0:
+        # A frozen copy of the initial weights: no grads, no optimizer state.
+        rows["reference policy (loss.kl_coef)"] = w_bytes * (dense + expert)
     if rollout_gpu_fraction:
         rows[f"colocated rollout ({rollout_gpu_fraction:.0%})"] = rollout_gpu_fraction * capacity
     plan = MemoryPlan(

@@ -18,6 +18,9 @@ PANELS = [
     ("staleness (versions)", ["staleness_mean", "staleness_max"]),
     ("train vs rollout KL (k3)", ["rollout_kl_k3"]),
     ("importance weight", ["is_weight_mean", "is_masked_fraction", "is_truncated_fraction"]),
+    ("dynamic sampling", ["filtered_groups_fraction", "train_groups_without_signal"]),
+    ("overlong responses", ["overlong_fraction", "overlong_penalty_mean"]),
+    ("gradient norm", ["grad_norm"]),
 ]
 
 
@@ -30,7 +33,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "plots" / "training.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(3, 3, figsize=(13, 9.5), constrained_layout=True)
+    fig, axes = plt.subplots(3, 4, figsize=(17, 9.5), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -94,6 +94,22 @@ class Policy:
             wd_incr_style="constant",
         )
         self.router_stats = RouterStats(self.model) if recipe.model.is_moe else None
+        # loss.kl_coef: a frozen copy of the initial weights in the same layout (no DDP, no
+        # optimizer); reset_reference() after loading initial weights, checkpoints keep it.
+        self.reference = None
+        if recipe.loss.kl_coef > 0:
+            self.reference = build_model(
+                recipe.model, recipe.parallel, recipe.precision, memory=recipe.memory
+            )
+            self.reference.requires_grad_(False)
+            self.reference.eval()
+            self.reset_reference()
+
+    def reset_reference(self) -> None:
+        """Make the reference policy the current weights (at the start of a run)."""
+        if self.reference is not None:
+            with torch.no_grad():
+                self.reference.load_state_dict(self.model.state_dict())
 
     def run_schedule(
         self,
@@ -104,6 +120,7 @@ class Policy:
         seq_length: int,
         micro_batch_size: int,
         forward_only: bool,
+        model: torch.nn.Module | None = None,
     ) -> list[dict]:
         """Megatron's forward/backward schedule (pipelined when PP > 1) over micro-batches.
 
@@ -116,7 +133,7 @@ class Policy:
         out = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
-            model=[self.ddp],
+            model=[self.ddp if model is None else model],
             num_microbatches=num_microbatches,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
@@ -163,11 +180,13 @@ class Policy:
         state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path))
         self.model.load_state_dict(state)
         self.optimizer.reload_model_params()
+        self.reset_reference()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Set the weights from a single-rank state dict; the optimizer's copies follow."""
         load_full_state_dict(self.model, full)
         self.optimizer.reload_model_params()
+        self.reset_reference()
 
     def train(self, mode: bool = True) -> None:
         self.ddp.train(mode)

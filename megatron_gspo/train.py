@@ -318,6 +318,7 @@ def train(
             staleness_metrics(samples, step - 1),
             rollout_batches_dropped=rollouts.dropped,
             prompts_skipped_overlong=stream.skipped,
+            bad_records_skipped=stream.bad_records,
         )
         t1 = time.perf_counter()
         if len(samples) >= recipe.train.mini_batches:

@@ -40,6 +40,7 @@ from megatron_gspo.data.packing import (
     plan_microbatches,
 )
 from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss, token_logprobs
+from megatron_gspo.loss.kl import reference_kl
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.policy import Policy
@@ -94,6 +95,8 @@ class GSPOTrainer:
         token_name = "gspo_token" if self.loss_name == "gspo" else self.loss_name
         self.token_loss_fn = get_policy_loss(token_name)
         self.loss_kwargs = _loss_kwargs(self.recipe.loss)
+        self.kl_coef = self.recipe.loss.kl_coef
+        self.kl_metrics = ("kl_ref",) if self.kl_coef > 0 else ()
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
         # Sequence parallelism splits the sequence over TP ranks: pad rows to a multiple.
         self.pad_multiple = (
@@ -159,7 +162,9 @@ class GSPOTrainer:
         ]
 
     # ---------------------------------------------------------------- passes
-    def _schedule(self, plan: MiniBatchPlan, forward_step, *, forward_only: bool) -> list[dict]:
+    def _schedule(
+        self, plan: MiniBatchPlan, forward_step, *, forward_only: bool, model=None
+    ) -> list[dict]:
         mbs = plan.microbatches
         return self.policy.run_schedule(
             forward_step,
@@ -168,6 +173,7 @@ class GSPOTrainer:
             seq_length=max(mb.tokens.shape[1] for mb in mbs),
             micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only,
+            model=model,
         )
 
     def _model_forward(self, model, mb: MicroBatch):
@@ -227,6 +233,26 @@ class GSPOTrainer:
             "rollout_logprob_abs_diff": float(diff[0] / diff[2]),
             "rollout_kl_k3": float(diff[1] / diff[2]),
         }
+
+    @torch.no_grad()
+    def compute_reference_logprobs(self, plans: list[MiniBatchPlan]) -> None:
+        """Put the frozen reference policy's log-probs into every micro-batch (loss.kl_coef)."""
+        reference = self.policy.reference
+        for plan in plans:
+
+            def forward_step(data_iterator, model):
+                m_idx, mb = next(data_iterator)
+                out = self._model_forward(model, mb)
+
+                def loss_func(logits):
+                    lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
+                    return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
+
+                return out, loss_func
+
+            for rep in self._schedule(plan, forward_step, forward_only=True, model=reference):
+                mb = plan.microbatches[rep["mb"]]
+                mb.ref_logprobs = rep["logprobs"].float() * mb.loss_mask
 
     def apply_off_policy_correction(
         self, plans: list[MiniBatchPlan]
@@ -311,7 +337,9 @@ class GSPOTrainer:
         metrics = self.policy.optimizer_step()
         metrics.update(
             reduce_reports(
-                reports, self.unit_weight, extra_token_metrics=MISMATCH if mismatch else ()
+                reports,
+                self.unit_weight,
+                extra_token_metrics=(*(MISMATCH if mismatch else ()), *self.kl_metrics),
             )
         )
         return metrics
@@ -358,8 +386,20 @@ class GSPOTrainer:
                 num_sequences=num_sequences,
                 **self.loss_kwargs,
             )
-        mask = mb.loss_mask
         metrics = dict(metrics)
+        if self.kl_coef > 0:
+            n = int(mb.cu_seqlens[-1]) if mb.packed else None
+            region = (0, slice(0, n)) if mb.packed else (slice(None), slice(None))
+            kl, kl_metrics = reference_kl(
+                lp[region],
+                mb.ref_logprobs[region],
+                mb.loss_mask[region],
+                num_sequences=num_sequences,
+                cu_seqlens=mb.cu_seqlens if mb.packed else None,
+            )
+            loss = loss + self.kl_coef * kl
+            metrics.update(kl_metrics)
+        mask = mb.loss_mask
         metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         if mismatch:
             d = (lp.detach() - mb.old_logprobs) * mask
@@ -380,6 +420,8 @@ class GSPOTrainer:
         metrics: dict[str, float] = {}
         if not from_rollout:
             metrics.update(self.compute_old_logprobs(plans))
+        if self.policy.reference is not None:
+            self.compute_reference_logprobs(plans)
         if self.correction.mode != "none":
             plans, corrected = self.apply_off_policy_correction(plans)
             metrics.update(corrected)

@@ -27,7 +27,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
-def make_hf_moe(path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+def make_hf_moe(
+    path: Path, seed: int = 0, rope_theta: float = 10000.0, **save_kwargs
+) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -44,7 +46,7 @@ def make_hf_moe(path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
         norm_topk_prob=True,
         max_position_embeddings=64,
         tie_word_embeddings=False,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
         dtype="float32",
         attn_implementation="eager",
     )

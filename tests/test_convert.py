@@ -32,7 +32,9 @@ def _causal_mask(t: int) -> torch.Tensor:
     return torch.triu(torch.ones(t, t, dtype=torch.bool), 1)[None, None]
 
 
-def _convert_and_run(rank: int, world: int, work: str, toks: torch.Tensor) -> dict:
+def _convert_and_run(
+    rank: int, world: int, work: str, toks: torch.Tensor, names=("moe", "dense")
+) -> dict:
     """One rank: hf-to-megatron both models, Megatron logits, then megatron-to-hf back."""
     from megatron.core import dist_checkpointing
 
@@ -41,7 +43,7 @@ def _convert_and_run(rank: int, world: int, work: str, toks: torch.Tensor) -> di
     from megatron_gspo.weights.convert import hf_to_megatron, megatron_to_hf
 
     out = {}
-    for name in ("moe", "dense"):
+    for name in names:
         base = Path(work)
         cfg = hf_to_megatron(base / f"hf_{name}", base / f"mg_{name}", progress=False)
         model = build_model(cfg, ParallelConfig())
@@ -88,6 +90,14 @@ def test_logits_match_transformers(hf_models, converted, name: str) -> None:
     our_lp = token_logprobs(ours[:, :-1], toks[:, 1:])
     lp_diff = (our_lp - ref_lp).abs().max().item()
     assert lp_diff <= LOGIT_ATOL, f"{name}: next-token log-probs differ by {lp_diff:.3e}"
+
+
+def test_a_fractional_rope_theta_is_represented_exactly(tmp_path) -> None:
+    """rope_theta 100.5 must not become 100 (that moved the logits by 3e-2)."""
+    model = make_hf_moe(tmp_path / "hf_moe", rope_theta=100.5)
+    (ours,) = run_distributed(_convert_and_run, 1, str(tmp_path), tokens(), ("moe",))
+    diff = (ours["moe"] - hf_logits(model, tokens())).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"logits differ from transformers by {diff:.3e}"
 
 
 def test_moe_routing_is_nontrivial(hf_models) -> None:

@@ -155,7 +155,7 @@ def test_malformed_jsonl_line_is_named(tmp_path, spm_model):
     with pytest.raises(DataError, match=rf"{path}:2: not valid JSON"):
         PromptStream(DataConfig(path=str(path), tokenizer=str(spm_model)), seed=0)
     path = _jsonl(tmp_path, ['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'])
-    with pytest.raises(DataError, match=rf"{path}:2: missing string field 'answer'"):
+    with pytest.raises(DataError, match=rf"{path}:2: key 'answer' is missing"):
         PromptStream(DataConfig(path=str(path), tokenizer=str(spm_model)), seed=0)
 
 

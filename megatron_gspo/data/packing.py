@@ -72,6 +72,8 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor | None = None
     # Per-token advantages where an off-policy correction weighs tokens (else None).
     token_advantages: torch.Tensor | None = None
+    # The frozen reference policy's log-probs where loss.kl_coef > 0 (else None).
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:

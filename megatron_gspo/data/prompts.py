@@ -1,15 +1,18 @@
-"""Prompt datasets: a JSONL file or a synthetic task, served in a resumable order."""
+"""Prompt datasets: a JSONL or parquet file or a synthetic task, in a resumable order."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_gspo.config import DataConfig
+from megatron_gspo.data.chat import ChatTemplate
+from megatron_gspo.data.records import DataError, read_records
 from megatron_gspo.data.tasks import SyntheticTask
 from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["DataError", "Prompt", "PromptStream"]
 
 
 @dataclass(frozen=True)
@@ -17,45 +20,6 @@ class Prompt:
     text: str
     answer: str
     token_ids: list[int]
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used; the message names the file and line."""
-
-
-def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[dict[str, str]]:
-    if not path.is_file():
-        raise DataError(f"{path}: dataset file not found")
-    records = []
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}:{line_no}: not valid UTF-8 (byte {e.start} of the line)"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object")
-            for key in (prompt_key, answer_key):
-                if not isinstance(record.get(key), str):
-                    raise DataError(f"{path}:{line_no}: missing string field {key!r}")
-            records.append(
-                {
-                    "prompt": record[prompt_key],
-                    "answer": record[answer_key],
-                    "where": f"{path}:{line_no}",
-                }
-            )
-    if not records:
-        raise DataError(f"{path}: no records")
-    return records
 
 
 class PromptStream:
@@ -76,12 +40,26 @@ class PromptStream:
         self.skipped = 0
         self._task: SyntheticTask | None = None
         self._records: list[dict[str, str]] = []
+        # Records of the file passed over as bad (data.bad_records: skip).
+        self.bad_records = 0
+        self.chat: ChatTemplate | None = None
         if config.task is not None:
             self._task = SyntheticTask(config.task, **config.task_options)
             self.tokenizer: Tokenizer = self._task.tokenizer
         else:
-            self._records = read_jsonl(Path(config.path), config.prompt_key, config.answer_key)
+            self._records, self.bad_records = read_records(
+                Path(config.path),
+                config.prompt_key,
+                config.answer_key,
+                bad_records=config.bad_records,
+            )
             self.tokenizer = load_tokenizer(config.tokenizer)
+        if config.chat_template:
+            self.chat = ChatTemplate(
+                config.tokenizer,
+                system_prompt=config.system_prompt,
+                kwargs=config.chat_template_kwargs,
+            )
         self.shuffle = config.shuffle
 
     def _record(self, index: int) -> dict[str, str]:
@@ -95,6 +73,8 @@ class PromptStream:
         return self._records[order[offset]]
 
     def encode_prompt(self, text: str) -> list[int]:
+        if self.chat is not None:  # the template writes whatever special tokens it wants
+            return self.tokenizer.encode(self.chat.render(text))
         bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
         return bos + self.tokenizer.encode(text)
 

@@ -110,6 +110,8 @@ def math_answer(response: str, answer: str) -> float:
     """1 when the response's final answer equals the reference: symbolically with
     ``math-verify`` (the ``math`` extra) where installed, else by the built-in parser (a boxed
     answer or the last number; fractions, ``\\frac``, thousands separators, units)."""
+    if "####" in answer:  # GSM8K's references: the worked solution, then "#### <answer>"
+        answer = answer.rsplit("####", 1)[1].strip()
     mv = _math_verify()
     if mv is not None:
         parse, verify = mv

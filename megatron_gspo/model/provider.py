@@ -176,5 +176,7 @@ def build_model(
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
-        rotary_base=int(model.rotary_base),
+        # Megatron annotates it int, but only raises it to a power: a float is exact, and int()
+        # would silently move a fractional rope_theta (100.5 -> 100 moved logits by 7e-2).
+        rotary_base=model.rotary_base,
     )
