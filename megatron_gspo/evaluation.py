@@ -59,26 +59,29 @@ def evaluate(
     recipe: Recipe,
     *,
     step: int,
-    stop_token_ids: tuple[int, ...],
+    params: dict,
 ) -> dict[str, float]:
     """The eval metrics at ``step``; collective (every rank gets rank 0's figures).
 
     ``generate`` is the engine's collective ``generate`` (every rank passes it) or, while an
     asynchronous pipeline is paused, rank 0's ``generate_rank0`` (``None`` elsewhere).
+    ``params`` are the training rollouts' sampling parameters (without the seed), of which
+    evaluation changes the group size and temperature.
     """
     cfg = recipe.eval
     ids = [p.token_ids for p in prompts]
 
     def request(group: int, temperature: float, salt: int) -> RolloutRequest:
-        params = SamplingParams(
-            group_size=group,
-            temperature=temperature,
-            top_p=1.0 if temperature == 0 else recipe.rollout.top_p,
-            max_new_tokens=recipe.rollout.max_new_tokens,
-            stop_token_ids=stop_token_ids,
+        sampling = SamplingParams(
+            **{
+                **params,
+                "group_size": group,
+                "temperature": temperature,
+                "top_p": 1.0 if temperature == 0 else params["top_p"],
+            },
             seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
         )
-        return RolloutRequest(ids, params)
+        return RolloutRequest(ids, sampling)
 
     out: list = [None]
     if generate is not None:

@@ -80,15 +80,13 @@ def score(
     lengths = torch.tensor([float(len(c.token_ids)) for c in completions])
     truncated = [c.finish_reason == "length" for c in completions]
     penalty = recipe.reward.overlong_penalty
-    penalties = [
-        overlong_penalty(
-            len(c.token_ids), recipe.rollout.max_new_tokens, penalty.cache_tokens,
-            penalty.max_penalty,
-        )
-        if penalty is not None
-        else 0.0
-        for c in completions
-    ]  # fmt: skip
+    penalties = [0.0] * len(completions)
+    if penalty is not None:
+        limit = recipe.rollout.max_new_tokens
+        penalties = [
+            overlong_penalty(len(c.token_ids), limit, penalty.cache_tokens, penalty.max_penalty)
+            for c in completions
+        ]
     r = torch.tensor(values, dtype=torch.float32)
     # Advantages see the shaped reward; reward_* metrics report the task's own.
     shaped = r + torch.tensor(penalties, dtype=torch.float32)
@@ -281,7 +279,7 @@ def train(
             rewards,
             recipe,
             step=step,
-            stop_token_ids=params["stop_token_ids"],
+            params=params,
         )
 
     if recipe.eval.every and start == 0:
@@ -300,10 +298,7 @@ def train(
 
             def more(round_: int, step=step) -> list[Sample]:
                 prompts = stream.next_batch(recipe.rollout.prompts_per_step)
-                seed = (recipe.rollout.seed * 1_000_003 + step) * 1_009 + round_
-                request = RolloutRequest(
-                    [p.token_ids for p in prompts], SamplingParams(**params, seed=seed)
-                )
+                request = _request(prompts, params, _step_seed(recipe, step) * 1_009 + round_)
                 return score(engine.generate(request), prompts, stream, rewards, recipe)[0]
 
             samples, filled = fill_with_signal(
@@ -390,6 +385,15 @@ def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, 
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
 
 
+def _step_seed(recipe: Recipe, step: int) -> int:
+    """The sampling seed of a step's rollout batch."""
+    return recipe.rollout.seed * 1_000_003 + step
+
+
+def _request(prompts: list[Prompt], params: dict, seed: int) -> RolloutRequest:
+    return RolloutRequest([p.token_ids for p in prompts], SamplingParams(**params, seed=seed))
+
+
 def _rollouts(recipe: Recipe, engine, stream: PromptStream, params: dict, *, next_step: int):
     """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""
 
@@ -397,10 +401,7 @@ def _rollouts(recipe: Recipe, engine, stream: PromptStream, params: dict, *, nex
         return stream.next_batch(recipe.rollout.prompts_per_step)
 
     def request(step: int, prompts: list[Prompt]) -> RolloutRequest:
-        return RolloutRequest(
-            [p.token_ids for p in prompts],
-            SamplingParams(**params, seed=recipe.rollout.seed * 1_000_003 + step),
-        )
+        return _request(prompts, params, _step_seed(recipe, step))
 
     k = recipe.rollout.max_staleness
     if k == 0:

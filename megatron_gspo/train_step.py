@@ -188,6 +188,29 @@ class GSPOTrainer:
                 padding = padding.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
         return model(mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=padding)
 
+    def _logprob_pass(self, plan: MiniBatchPlan, *, model=None, before=None, after=None):
+        """A forward-only pass over the plan's micro-batches (the policy's, or ``model``'s):
+        yields each micro-batch with its fp32 log-probs, zero off the loss mask (last stage).
+        ``before(m_idx)`` and ``after()`` run around each micro-batch's forward."""
+
+        def forward_step(data_iterator, model):
+            m_idx, mb = next(data_iterator)
+            if before is not None:
+                before(m_idx)
+            out = self._model_forward(model, mb)
+            if after is not None:
+                after()
+
+            def loss_func(logits):
+                lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
+                return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
+
+            return out, loss_func
+
+        for rep in self._schedule(plan, forward_step, forward_only=True, model=model):
+            mb = plan.microbatches[rep["mb"]]
+            yield mb, rep["logprobs"].float() * mb.loss_mask
+
     @torch.no_grad()
     def compute_old_logprobs(self, plans: list[MiniBatchPlan]) -> dict[str, float]:
         """Put the pre-update policy's log-probs into every micro-batch (on the last stage).
@@ -201,24 +224,11 @@ class GSPOTrainer:
         diff = torch.zeros(3, dtype=torch.float64)  # sum |d|, sum k3(d), tokens
         self.policy.train(False)
         for p_idx, plan in enumerate(plans):
-
-            def forward_step(data_iterator, model, p_idx=p_idx):
-                m_idx, mb = next(data_iterator)
-                if stats is not None:
-                    stats.record((p_idx, m_idx))
-                out = self._model_forward(model, mb)
-                if stats is not None:
-                    stats.done()
-
-                def loss_func(logits):
-                    lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
-                    return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
-
-                return out, loss_func
-
-            for rep in self._schedule(plan, forward_step, forward_only=True):
-                mb = plan.microbatches[rep["mb"]]
-                lp = rep["logprobs"].float() * mb.loss_mask
+            hooks = {}
+            if stats is not None:
+                hooks = dict(before=lambda m_idx, p_idx=p_idx: stats.record((p_idx, m_idx)),
+                             after=stats.done)  # fmt: skip
+            for mb, lp in self._logprob_pass(plan, **hooks):
                 if mb.has_rollout_logprobs and reports_metrics():
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
@@ -237,22 +247,9 @@ class GSPOTrainer:
     @torch.no_grad()
     def compute_reference_logprobs(self, plans: list[MiniBatchPlan]) -> None:
         """Put the frozen reference policy's log-probs into every micro-batch (loss.kl_coef)."""
-        reference = self.policy.reference
         for plan in plans:
-
-            def forward_step(data_iterator, model):
-                m_idx, mb = next(data_iterator)
-                out = self._model_forward(model, mb)
-
-                def loss_func(logits):
-                    lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
-                    return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
-
-                return out, loss_func
-
-            for rep in self._schedule(plan, forward_step, forward_only=True, model=reference):
-                mb = plan.microbatches[rep["mb"]]
-                mb.ref_logprobs = rep["logprobs"].float() * mb.loss_mask
+            for mb, lp in self._logprob_pass(plan, model=self.policy.reference):
+                mb.ref_logprobs = lp
 
     def apply_off_policy_correction(
         self, plans: list[MiniBatchPlan]
@@ -285,12 +282,10 @@ class GSPOTrainer:
         return plans, correction_metrics(stats)
 
     def _correct(self, mb: MicroBatch) -> tuple[int, CorrectionStats]:
+        region = mb.region
         if mb.packed:
-            n = int(mb.cu_seqlens[-1])
-            region = (0, slice(0, n))
-            layout = PackedSequences(mb.cu_seqlens, n)
+            layout = PackedSequences(mb.cu_seqlens, int(mb.cu_seqlens[-1]))
         else:
-            region = (slice(None), slice(None))
             layout = PaddedSequences(*mb.loss_mask.shape)
         weights, keep, stats = importance_weights(
             mb.old_logprobs[region],
@@ -363,39 +358,22 @@ class GSPOTrainer:
             return zero, torch.tensor(1), {"num_valid_sequences": torch.tensor(0.0)}
         loss_fn, advantages = self.loss_fn, mb.advantages
         if mb.token_advantages is not None:
-            loss_fn, advantages = self.token_loss_fn, mb.token_advantages
-        if mb.packed:
-            n = int(mb.cu_seqlens[-1])
-            if advantages.dim() == 2:
-                advantages = advantages[0, :n]
-            loss, metrics = loss_fn(
-                lp[0, :n],
-                mb.old_logprobs[0, :n],
-                advantages,
-                mb.loss_mask[0, :n],
-                cu_seqlens=mb.cu_seqlens,
-                num_sequences=num_sequences,
-                **self.loss_kwargs,
-            )
-        else:
-            loss, metrics = loss_fn(
-                lp,
-                mb.old_logprobs,
-                advantages,
-                mb.loss_mask,
-                num_sequences=num_sequences,
-                **self.loss_kwargs,
-            )
+            loss_fn, advantages = self.token_loss_fn, mb.token_advantages[mb.region]
+        # Padded or packed (cu_seqlens), normalized by the mini-batch's global sequence count.
+        region = mb.region
+        sequences = {"cu_seqlens": mb.cu_seqlens, "num_sequences": num_sequences}
+        loss, metrics = loss_fn(
+            lp[region],
+            mb.old_logprobs[region],
+            advantages,
+            mb.loss_mask[region],
+            **sequences,
+            **self.loss_kwargs,
+        )
         metrics = dict(metrics)
         if self.kl_coef > 0:
-            n = int(mb.cu_seqlens[-1]) if mb.packed else None
-            region = (0, slice(0, n)) if mb.packed else (slice(None), slice(None))
             kl, kl_metrics = reference_kl(
-                lp[region],
-                mb.ref_logprobs[region],
-                mb.loss_mask[region],
-                num_sequences=num_sequences,
-                cu_seqlens=mb.cu_seqlens if mb.packed else None,
+                lp[region], mb.ref_logprobs[region], mb.loss_mask[region], **sequences
             )
             loss = loss + self.kl_coef * kl
             metrics.update(kl_metrics)

@@ -67,6 +67,14 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    @property
+    def region(self) -> tuple:
+        """Index of the part of the [b, s] tensors that holds sequences, in the layout the
+        losses take: the packed row up to its fill, or the whole padded batch."""
+        if self.cu_seqlens is None:
+            return (slice(None), slice(None))
+        return (0, slice(0, int(self.cu_seqlens[-1])))
+
     has_rollout_logprobs: bool = False
     # The rollout's (behaviour policy's) log-probs, kept when old_logprobs is recomputed.
     behaviour_logprobs: torch.Tensor | None = None
