@@ -7,13 +7,9 @@ import os
 
 def join_world(rank: int, world: int, port: int) -> None:
     """In a spawned rank: one thread, the environment torchrun would set, the gloo group."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    from megatron_gspo.procs import local_world_env
+
+    os.environ.update(local_world_env(rank, world, port))
     import torch
     import torch.distributed as dist
 
@@ -26,7 +22,7 @@ def run_ranks(target, world: int, *args):
     object a rank puts on ``results``."""
     import torch.multiprocessing as mp
 
-    from benchmarks._served_model import free_port
+    from megatron_gspo.procs import free_port
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.procs import free_port
 
 
 def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path:
@@ -39,14 +40,6 @@ def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path
         '"eos_token": "<eos>"}\n'
     )
     return directory
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -13,9 +13,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "free_port", "local_world_env"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,3 +33,21 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     # The parent may have died before the call: then nobody would send the signal.
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def free_port() -> int:
+    """A TCP port of this host that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_world_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun would set for ``rank`` of a ``world`` of processes on this host."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+    }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -15,21 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_gspo.procs import free_port, local_world_env
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(local_world_env(rank, world_size, port))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -64,7 +53,7 @@ def run_distributed(
     """
     ctx = _context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
         for r in range(world_size)

@@ -12,7 +12,7 @@ import torch
 from megatron_gspo.config import Recipe
 from tests._dist import run_distributed
 from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _metrics, _train, _weights, loop_recipe
+from tests.test_train_loop import _metrics, _train, _weights, loop_recipe, straight_and_resumed
 
 EP2 = {"parallel": {"expert_model_parallel_size": 2}}
 DP2_DISTOPT = {"memory": {"use_distributed_optimizer": True}}
@@ -141,10 +141,7 @@ def test_distributed_optimizer_resumes_bit_exactly_on_the_same_layout(tmp_path):
     """Adam's step count and moments come back exactly (DP2, distributed optimizer)."""
     straight = _layout(tmp_path / "straight", **DP2_DISTOPT)
     split = _layout(tmp_path / "split", **DP2_DISTOPT)
-    run_distributed(_train, 2, straight, 4, True)
-    run_distributed(_train, 2, split, 2, True)
-    run_distributed(_train, 2, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    a, b = straight_and_resumed(straight, split, world=2)
     assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
     wa = run_distributed(_weights, 2, straight, 4)[0]
     wb = run_distributed(_weights, 2, split, 4)[0]

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
-from tests._dist import run_distributed
 from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _metrics, _train, loop_recipe
+from tests.test_train_loop import loop_recipe, straight_and_resumed
 
 
 def _groups(advantages: list[list[float]], tag: int) -> list[Sample]:
@@ -48,10 +47,7 @@ def test_dynamic_sampling_trains_only_on_signal_and_resumes_exactly(tmp_path):
     }
     straight = loop_recipe(tmp_path / "straight", **common)
     split = loop_recipe(tmp_path / "split", **common)
-    run_distributed(_train, 1, straight, 4, False)
-    run_distributed(_train, 1, split, 2, False)
-    run_distributed(_train, 1, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    a, b = straight_and_resumed(straight, split)
     assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
     assert any(r["filtered_groups_fraction"] > 0 for r in a), "nothing was ever filtered"
     for r in a:

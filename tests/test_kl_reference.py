@@ -10,7 +10,7 @@ from megatron_gspo.loss.kl import reference_kl
 from tests._dist import run_distributed
 from tests.rl_fixtures import rollout_batch, tiny_recipe
 from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _metrics, _train, loop_recipe
+from tests.test_train_loop import loop_recipe, straight_and_resumed
 from tests.test_train_step import LINEAR_ADAM, _step
 
 
@@ -78,10 +78,7 @@ def test_a_run_with_the_penalty_resumes_exactly(tmp_path):
     quiet = {"plot_every": 0, "tensorboard": False, "checkpoint_every": 2}
     straight = loop_recipe(tmp_path / "straight", run=quiet, loss={"kl_coef": 0.1})
     split = loop_recipe(tmp_path / "split", run=quiet, loss={"kl_coef": 0.1})
-    run_distributed(_train, 1, straight, 4, False)
-    run_distributed(_train, 1, split, 2, False)
-    run_distributed(_train, 1, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    a, b = straight_and_resumed(straight, split)
     assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
     assert a[-1]["kl_ref"] > 0
 

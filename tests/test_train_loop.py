@@ -56,6 +56,17 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def straight_and_resumed(
+    straight: dict, split: dict, *, world: int = 1, steps: int = 4, stop_at: int = 2
+) -> tuple[list[dict], list[dict]]:
+    """The metrics of a run trained straight through ``steps`` and of the same recipe stopped
+    after ``stop_at`` steps and resumed to ``steps``."""
+    run_distributed(_train, world, straight, steps, True)
+    run_distributed(_train, world, split, stop_at, True)
+    run_distributed(_train, world, split, steps, True)
+    return _metrics(Path(straight["run"]["output_dir"])), _metrics(Path(split["run"]["output_dir"]))
+
+
 def test_short_run_writes_metrics_checkpoints_and_plots(tmp_path):
     data = loop_recipe(tmp_path / "run")
     run_distributed(_train, 1, data, 3, True)

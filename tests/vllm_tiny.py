@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
 import torch
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.procs import free_port
 from megatron_gspo.weights.hf import HFMapping
 
 # Tiny but not degenerate: 2 layers, GQA (4 query heads, 2 KV groups: TP=2 splits them),
@@ -121,12 +121,6 @@ def write_tiny_model(path: Path, cfg: ModelConfig = VLLM_TINY_MOE, seed: int = 0
     )
     fast.save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:

@@ -14,7 +14,6 @@ model, and generation is not split over data-parallel ranks.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from typing import Any
 
@@ -28,23 +27,14 @@ from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
 __all__ = ["LocalWorkerEngine"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(
     model_config: ModelConfig, precision: PrecisionConfig, requests, replies, parent_pid: int
 ) -> None:
-    from megatron_gspo.procs import die_with_parent
+    from megatron_gspo.procs import die_with_parent, free_port, local_world_env
 
     die_with_parent(parent_pid)
     # A world of one of its own, whatever the trainer's environment says.
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )  # fmt: skip
+    os.environ.update(local_world_env(0, 1, free_port()))
     torch.set_num_threads(1)
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.model import build_model
