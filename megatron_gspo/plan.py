@@ -157,11 +157,6 @@ def check_world(recipe: Recipe, world: int) -> Layout:
         need(m.ffn_hidden_size, tp, "model.ffn_hidden_size vs TP")
         if ep > 1:
             errors.append(f"EP{ep} on a dense model: set expert_model_parallel_size to 1")
-    if cp > 1:
-        errors.append(
-            f"CP{cp}: the trainer does not support context parallelism yet (policy.py); use "
-            "TP or PP to cut activation memory instead"
-        )
     if errors:
         raise PlanError(f"layout does not divide on {world} GPUs:\n  " + "\n  ".join(errors))
     return Layout(
@@ -361,6 +356,12 @@ def plan_memory(
         rows=rows,
         capacity=capacity,
     )
+    if lay.cp > 1:
+        plan.notes.append(
+            f"CP{lay.cp}: activations count 1/{lay.cp} of each micro-batch's tokens (every "
+            f"sequence padded to a multiple of {2 * lay.cp}); attention through Transformer "
+            "Engine's context-parallel kernels (the gpu extra)"
+        )
     seqs = recipe.rollout.prompts_per_step * recipe.rollout.group_size
     per_mini = seqs // recipe.train.mini_batches
     if per_mini < lay.dp:

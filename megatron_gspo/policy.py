@@ -29,11 +29,6 @@ class Policy:
     """Owns everything that changes when the policy is updated."""
 
     def __init__(self, recipe: Recipe, groups: ParallelGroups) -> None:
-        if recipe.parallel.context_parallel_size > 1:
-            # The loss layer handles CP (megatron_gspo.loss, cp_group), but splitting packed
-            # micro-batches over CP ranks needs Transformer Engine's THD attention, which
-            # this trainer does not drive yet.
-            raise NotImplementedError("parallel.context_parallel_size > 1 is not supported yet")
         self.recipe = recipe
         self.groups = groups
         if recipe.train.routing_replay:

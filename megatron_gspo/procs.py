@@ -50,4 +50,7 @@ def local_world_env(rank: int, world: int, port: int) -> dict[str, str]:
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank),
+        # Under torchrun, children inherit this: their rendezvous would then wait, as a
+        # client, for torchrun's agent store on a port where no one listens.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
     }

@@ -21,12 +21,14 @@ _UNIT_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ra
 MISMATCH = ("rollout_logprob_abs_diff", "rollout_kl_k3")
 
 
-def reports_metrics() -> bool:
-    """One rank per data-parallel replica contributes metrics: TP ranks hold copies."""
+def reports_metrics(*, tokens: bool = False) -> bool:
+    """One rank per data-parallel replica contributes metrics: TP ranks hold copies, and so do
+    CP ranks of the loss's metrics (reduced over the full sequences). ``tokens``: a sum over
+    this rank's own tokens, which every CP rank contributes (each holds its own share)."""
     return (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
+        and (tokens or parallel_state.get_context_parallel_rank() == 0)
     )
 
 

@@ -43,6 +43,7 @@ from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss
 from megatron_gspo.loss.kl import reference_kl
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
+from megatron_gspo.parallel.context import split_microbatch
 from megatron_gspo.policy import Policy
 from megatron_gspo.step_metrics import (
     MISMATCH,
@@ -98,11 +99,13 @@ class GSPOTrainer:
         self.kl_coef = self.recipe.loss.kl_coef
         self.kl_metrics = ("kl_ref",) if self.kl_coef > 0 else ()
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
-        # Sequence parallelism splits the sequence over TP ranks: pad rows to a multiple.
-        self.pad_multiple = (
-            self.recipe.parallel.tensor_model_parallel_size
-            if self.recipe.parallel.sequence_parallel
-            else 1
+        # Context parallelism splits every sequence into 2 x CP chunks, sequence parallelism
+        # each CP rank's share over the TP ranks: pad sequences and rows to multiples.
+        parallel = self.recipe.parallel
+        self.cp_size = parallel.context_parallel_size
+        self.segment_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
+        self.pad_multiple = self.segment_multiple * (
+            parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
         )
         # One shape per mini-batch where ranks exchange activations of a shape they cannot
         # tell each other: pipeline stages without variable_seq_lengths, and the allgather
@@ -133,6 +136,7 @@ class GSPOTrainer:
                 packing=train.packing,
                 micro_batch_tokens=train.micro_batch_tokens,
                 micro_batch_size=train.micro_batch_size,
+                segment_multiple=self.segment_multiple if train.packing else 1,
             )
             plans.append(MiniBatchPlan(mini, per_rank, self._build(mini, per_rank), len(mini)))
         return plans
@@ -144,19 +148,27 @@ class GSPOTrainer:
         if self.fixed_shapes:
             # Over every rank's micro-batches: expert dispatch gathers across ranks.
             width = max(
-                microbatch_width(samples, idx, packing=train.packing)
+                microbatch_width(
+                    samples, idx, packing=train.packing, segment_multiple=self.segment_multiple
+                )
                 for rank in per_rank
                 for idx in rank
             )
             rows = None if train.packing else train.micro_batch_size
+        cp_rank = parallel_state.get_context_parallel_rank()
         return [
-            build_microbatch(
-                samples,
-                idx,
-                packing=train.packing,
-                pad_to_multiple=self.pad_multiple,
-                width=width,
-                rows=rows,
+            split_microbatch(
+                build_microbatch(
+                    samples,
+                    idx,
+                    packing=train.packing,
+                    pad_to_multiple=self.pad_multiple,
+                    width=width,
+                    rows=rows,
+                    segment_multiple=self.segment_multiple,
+                ),
+                self.cp_size,
+                cp_rank,
             )
             for idx in per_rank[self.groups.dp_rank]
         ]
@@ -170,7 +182,8 @@ class GSPOTrainer:
             forward_step,
             list(enumerate(mbs)),
             len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            # Megatron's shapes are those of the full sequences (it divides by CP itself).
+            seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size,
             micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only,
             model=model,
@@ -186,7 +199,13 @@ class GSPOTrainer:
                 # GPTModel splits the mask along the sequence on the first stage only.
                 tp = self.recipe.parallel.tensor_model_parallel_size
                 padding = padding.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
-        return model(mb.tokens, mb.position_ids, mb.attention_mask, padding_mask=padding)
+        return model(
+            mb.tokens,
+            mb.position_ids,
+            mb.attention_mask,
+            padding_mask=padding,
+            packed_seq_params=mb.packed_seq_params(self.groups.cp),
+        )
 
     def _logprob_pass(self, plan: MiniBatchPlan, *, model=None, before=None, after=None):
         """A forward-only pass over the plan's micro-batches (the policy's, or ``model``'s):
@@ -229,7 +248,7 @@ class GSPOTrainer:
                 hooks = dict(before=lambda m_idx, p_idx=p_idx: stats.record((p_idx, m_idx)),
                              after=stats.done)  # fmt: skip
             for mb, lp in self._logprob_pass(plan, **hooks):
-                if mb.has_rollout_logprobs and reports_metrics():
+                if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
                     diff += torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
@@ -293,14 +312,17 @@ class GSPOTrainer:
             mb.loss_mask[region],
             layout,
             self.correction,
+            cp_group=self.groups.cp,
         )
         mb.loss_mask = mb.loss_mask.clone()
         mb.loss_mask[region] = keep
         token_adv = torch.zeros_like(mb.loss_mask)
         token_adv[region] = layout.to_tokens(mb.advantages) * weights
         mb.token_advantages = token_adv
-        trained = int((layout.seq_sum(keep) > 0).sum())
-        return trained, stats
+        kept = layout.seq_sum(keep)
+        if self.cp_size > 1:
+            dist.all_reduce(kept, group=self.groups.cp)
+        return int((kept > 0).sum()), stats
 
     def train_minibatch(self, p_idx: int, plan: MiniBatchPlan) -> dict[str, float]:
         stats = self.policy.router_stats
@@ -351,7 +373,7 @@ class GSPOTrainer:
         lp, entropy = token_logprobs(
             logits, mb.targets, tp_group=self.groups.tp, return_entropy=True
         )
-        if mb.num_sequences == 0 or not bool(mb.loss_mask.any()):
+        if mb.num_sequences == 0 or not self._any_token(mb):
             # A filler micro-batch (or one the off-policy correction masked entirely) keeps
             # the schedule in step across ranks; no loss.
             zero = lp.sum() * 0
@@ -361,7 +383,11 @@ class GSPOTrainer:
             loss_fn, advantages = self.token_loss_fn, mb.token_advantages[mb.region]
         # Padded or packed (cu_seqlens), normalized by the mini-batch's global sequence count.
         region = mb.region
-        sequences = {"cu_seqlens": mb.cu_seqlens, "num_sequences": num_sequences}
+        sequences = {
+            "cu_seqlens": mb.cu_seqlens,
+            "num_sequences": num_sequences,
+            "cp_group": self.groups.cp,
+        }
         loss, metrics = loss_fn(
             lp[region],
             mb.old_logprobs[region],
@@ -378,14 +404,33 @@ class GSPOTrainer:
             loss = loss + self.kl_coef * kl
             metrics.update(kl_metrics)
         mask = mb.loss_mask
-        metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        token_sums = {"entropy": entropy.detach() * mask}
         if mismatch:
             d = (lp.detach() - mb.old_logprobs) * mask
-            count = mask.sum().clamp(min=1)
-            metrics["rollout_logprob_abs_diff"] = d.abs().sum() / count
-            metrics["rollout_kl_k3"] = ((d.exp() - 1 - d) * mask).sum() / count
+            token_sums["rollout_logprob_abs_diff"] = d.abs()
+            token_sums["rollout_kl_k3"] = (d.exp() - 1 - d) * mask
+        metrics.update(self._token_means(token_sums, mask))
         metrics["loss"] = loss.detach()
         return loss * scale, torch.tensor(1), metrics
+
+    def _any_token(self, mb: MicroBatch) -> bool:
+        """Whether the micro-batch has a token to train on, decided alike on its CP ranks (a
+        rank's share of the sequences can hold none, and the loss's reductions are
+        collective)."""
+        any_token = mb.loss_mask.any().reshape(1).to(torch.int32)
+        if self.cp_size > 1:
+            dist.all_reduce(any_token, op=dist.ReduceOp.MAX, group=self.groups.cp)
+        return bool(any_token)
+
+    @torch.no_grad()
+    def _token_means(self, sums: dict[str, torch.Tensor], mask: torch.Tensor) -> dict:
+        """Means over the micro-batch's response tokens of the given per-token values; under
+        context parallelism over the full sequences, like the loss's own metrics."""
+        totals = torch.stack([v.sum() for v in sums.values()] + [mask.sum()]).double()
+        if self.cp_size > 1:
+            dist.all_reduce(totals, group=self.groups.cp)
+        count = totals[-1].clamp(min=1)
+        return {k: totals[i] / count for i, k in enumerate(sums)}
 
     # ---------------------------------------------------------------- the step
     def step(self, samples: list[Sample]) -> dict[str, float]:

@@ -5,10 +5,14 @@ A sample is a prompt and one response. The model reads ``tokens[:-1]`` and is sc
 
 Two layouts give the same loss and gradients:
 
-- packed: the sequences of a micro-batch are concatenated into one row under a token budget;
-  attention is confined to each sequence (``cu_seqlens`` for Transformer Engine's THD
-  attention, otherwise a block-diagonal causal mask) and the loss uses the packed (THD) form.
+- packed (THD): the sequences of a micro-batch are concatenated into one row under a token
+  budget; the model gets Megatron's ``PackedSeqParams``, so attention (Transformer Engine's,
+  or :mod:`megatron_gspo.model.attention` without it) and RoPE are confined to each
+  sequence, and the loss uses the packed form with ``cu_seqlens``.
 - padded: ``micro_batch_size`` sequences per micro-batch, right-padded to the longest.
+
+Under context parallelism every packed sequence is padded to a multiple of ``2 * cp`` and
+each rank trains on its share of every sequence (:mod:`megatron_gspo.parallel.context`).
 
 The plan is computed identically on every rank from the whole mini-batch, so the global
 sequence count and the number of micro-batches per rank need no communication. Every
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
@@ -55,7 +60,8 @@ class MicroBatch:
     # [b, s] aligned with targets, 0 where not scored: the rollout's log-probs where every
     # sample has them (has_rollout_logprobs), until the trainer recomputes them.
     old_logprobs: torch.Tensor
-    # Packed only: [num_seqs + 1] boundaries in the single row.
+    # Packed only: [num_seqs + 1] boundaries of the sequences in the row (padded ones under
+    # context parallelism: what the loss reduces over).
     cu_seqlens: torch.Tensor | None
     # Which samples of the mini-batch are in here, in order.
     sample_indices: list[int] = field(default_factory=list)
@@ -82,6 +88,14 @@ class MicroBatch:
     token_advantages: torch.Tensor | None = None
     # The frozen reference policy's log-probs where loss.kl_coef > 0 (else None).
     ref_logprobs: torch.Tensor | None = None
+    # Packed only: the attention's segments over the full row (the sequences, then the tail
+    # padding as a segment of its own), as Transformer Engine's THD format takes them: the
+    # cumulative real lengths, and the boundaries of the segments padded for context
+    # parallelism. Not split over CP ranks: attention and RoPE want the full sequences'.
+    attn_cu_seqlens: torch.Tensor | None = None
+    attn_cu_seqlens_padded: torch.Tensor | None = None
+    # Context-parallel ranks the token tensors are split over (1: the full sequences).
+    cp_size: int = 1
 
     @property
     def num_sequences(self) -> int:
@@ -90,6 +104,23 @@ class MicroBatch:
     def __post_init__(self) -> None:
         if self.has_rollout_logprobs and self.behaviour_logprobs is None:
             self.behaviour_logprobs = self.old_logprobs.clone()
+
+    def packed_seq_params(self, cp_group=None) -> PackedSeqParams | None:
+        """Megatron's description of the packed row for attention and RoPE (None if padded)."""
+        if self.attn_cu_seqlens is None:
+            return None
+        cu, padded = self.attn_cu_seqlens, self.attn_cu_seqlens_padded
+        longest = int((padded[1:] - padded[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+            cp_group=cp_group,
+        )
 
 
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
@@ -132,12 +163,14 @@ def plan_microbatches(
     packing: bool,
     micro_batch_tokens: int,
     micro_batch_size: int,
+    segment_multiple: int = 1,
 ) -> list[list[list[int]]]:
     """For every data-parallel rank, its micro-batches as lists of sample indices.
 
-    Every rank gets the same number of micro-batches; missing ones are empty lists.
+    Every rank gets the same number of micro-batches; missing ones are empty lists. Lengths
+    count the padding each sequence will get (``segment_multiple``, context parallelism).
     """
-    lengths = [s.num_tokens for s in samples]
+    lengths = [_round_up(s.num_tokens, segment_multiple) for s in samples]
     per_rank = balance_across_ranks(lengths, dp_size)
     plans = []
     for idx in per_rank:
@@ -168,10 +201,21 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def microbatch_width(samples: list[Sample], indices: list[int], *, packing: bool) -> int:
-    """Sequence length of a micro-batch before any padding to a common shape."""
+def microbatch_width(
+    samples: list[Sample], indices: list[int], *, packing: bool, segment_multiple: int = 1
+) -> int:
+    """Sequence length of a micro-batch before any padding to a common shape (packed
+    sequences each padded to ``segment_multiple``)."""
     lengths = [samples[i].num_tokens for i in indices] or [1]
-    return sum(lengths) if packing else max(lengths)
+    if not packing:
+        return max(lengths)
+    return sum(_round_up(n, segment_multiple) for n in lengths)
+
+
+def _cumsum(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return cu
 
 
 def build_microbatch(
@@ -183,46 +227,56 @@ def build_microbatch(
     pad_to_multiple: int = 1,
     width: int | None = None,
     rows: int | None = None,
+    segment_multiple: int = 1,
 ) -> MicroBatch:
     """Tensors for one micro-batch. An empty ``indices`` gives a filler batch with no loss
     (all padding), which the general paths below build like any other.
 
-    ``pad_to_multiple`` rounds the sequence dimension up (sequence parallelism splits it over
-    tensor-parallel ranks); ``width`` and ``rows`` pad to a fixed shape (pipeline stages that
-    cannot exchange shapes). Padding carries no loss and no sequence reads it.
+    ``pad_to_multiple`` rounds the sequence dimension up (sequence and context parallelism
+    split it over ranks); ``width`` and ``rows`` pad to a fixed shape (pipeline stages that
+    cannot exchange shapes); ``segment_multiple`` pads every packed sequence (context
+    parallelism splits each into ``2 * cp`` chunks). Padding carries no loss and no sequence
+    reads it.
     """
-    natural = microbatch_width(samples, indices, packing=packing)
+    if pad_to_multiple % segment_multiple:
+        raise ValueError(
+            f"pad_to_multiple ({pad_to_multiple}) must be a multiple of segment_multiple "
+            f"({segment_multiple})"
+        )
+    natural = microbatch_width(samples, indices, packing=packing, segment_multiple=segment_multiple)
     width = _round_up(max(natural, width or 0), pad_to_multiple)
     arrays = [_sequence_arrays(samples[i]) for i in indices]
     has_rollout = bool(indices) and all(samples[i].rollout_logprobs is not None for i in indices)
     advantages = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)
     if packing:
         lens = [len(a[0]) for a in arrays]
-        total = sum(lens)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+        padded = [_round_up(n, segment_multiple) for n in lens]
+        tail = width - sum(padded)
         # The tail padding is a segment of its own, so no sequence attends to it.
-        bounds = [*cu.tolist(), width] if width > total else cu.tolist()
-        mask = torch.ones(width, width, dtype=torch.bool)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            mask[a:b, a:b] = _causal(b - a)
-        tail = width - total
+        segments, segments_padded = lens + [tail] * bool(tail), padded + [tail] * bool(tail)
+        cu_padded = _cumsum(segments_padded)
+        padding = torch.ones(width, dtype=torch.bool)
+        for start, n in zip(cu_padded.tolist(), lens, strict=False):
+            padding[start : start + n] = False
 
         def row(parts: list[list], value) -> torch.Tensor:
-            return torch.tensor([sum(parts, []) + [value] * tail])
+            fill = [p + [value] * (n - len(p)) for p, n in zip(parts, padded, strict=True)]
+            return torch.tensor([sum(fill, []) + [value] * tail])
 
         return MicroBatch(
             tokens=row([a[0] for a in arrays], pad_id),
-            position_ids=torch.cat([torch.arange(n) for n in [*lens, tail]])[None],
-            attention_mask=mask[None, None],
+            position_ids=torch.cat([torch.arange(n) for n in segments_padded])[None],
+            attention_mask=None,
             targets=row([a[1] for a in arrays], pad_id),
             loss_mask=row([a[2] for a in arrays], 0.0),
             advantages=advantages,
             old_logprobs=row([a[3] for a in arrays], 0.0),
-            cu_seqlens=cu,
+            cu_seqlens=cu_padded[: len(lens) + 1],
             sample_indices=list(indices),
-            padding_mask=torch.arange(width)[None] >= total,
+            padding_mask=padding[None],
             has_rollout_logprobs=has_rollout,
+            attn_cu_seqlens=_cumsum(segments),
+            attn_cu_seqlens_padded=cu_padded,
         )
     # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
     # contribute nothing.

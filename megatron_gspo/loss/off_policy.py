@@ -20,8 +20,9 @@ A weight is applied by scaling the unit's advantage (``w >= 0`` leaves PPO's ``m
 sign-based clip decision intact: ``min(r A w, clip(r) A w) = w min(r A, clip(r) A)``); a masked
 unit is removed from the loss mask, so it leaves the ratio's mean, the sequence's token count
 and the global sequence count: the normalizer counts what is trained on. Pure tensor functions
-over a :class:`~megatron_gspo.loss.seq_reduce.SequenceLayout`; no process groups (the caller
-sums the returned counts).
+over a :class:`~megatron_gspo.loss.seq_reduce.SequenceLayout`. Under context parallelism
+(``cp_group``) the per-sequence sums and the statistics span the full sequences, so every CP
+rank returns the same statistics; the caller sums them over data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
-from megatron_gspo.loss.seq_reduce import SequenceLayout
+from megatron_gspo.loss.seq_reduce import SequenceLayout, group_size
 
 __all__ = ["Correction", "CorrectionStats", "importance_weights"]
 
@@ -75,6 +77,7 @@ def importance_weights(
     mask: torch.Tensor,
     layout: SequenceLayout,
     correction: Correction,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CorrectionStats]:
     """Per-token weights and the new mask, in the layout of the inputs.
 
@@ -89,9 +92,11 @@ def importance_weights(
     if correction.level == "token":
         log_w, unit_valid = d, valid
     else:
-        count = layout.seq_sum(valid.double())
-        log_w = layout.seq_sum(d) / count.clamp(min=1)
-        unit_valid = count > 0
+        sums = torch.stack([layout.seq_sum(d), layout.seq_sum(valid.double())])
+        if group_size(cp_group) > 1:
+            dist.all_reduce(sums, group=cp_group)
+        log_w = sums[0] / sums[1].clamp(min=1)
+        unit_valid = sums[1] > 0
     bound = correction.max_log_ratio
     w = torch.exp(log_w.clamp(-bound, bound))
     keep_unit = unit_valid.clone()
@@ -104,13 +109,25 @@ def importance_weights(
     elif correction.mode != "none":
         raise ValueError(f"unknown off-policy correction {correction.mode!r}")
     kept_w = w[keep_unit]
+    sums = torch.stack(
+        [unit_valid.sum(), kept_w.sum(), truncated.sum(), (unit_valid & ~keep_unit).sum()]
+    ).double()
+    low = kept_w.min() if kept_w.numel() else torch.tensor(float("inf"))
+    high = kept_w.max() if kept_w.numel() else torch.tensor(float("-inf"))
+    low, high = low.double().reshape(1), high.double().reshape(1)
+    if correction.level == "token" and group_size(cp_group) > 1:
+        # Each CP rank weighed its own tokens (sequence units are already whole).
+        dist.all_reduce(sums, group=cp_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=cp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=cp_group)
+    units, weight_sum, truncated_n, masked = sums.tolist()
     stats = CorrectionStats(
-        units=float(unit_valid.sum()),
-        weight_sum=float(kept_w.sum()),
-        weight_min=float(kept_w.min()) if kept_w.numel() else float("inf"),
-        weight_max=float(kept_w.max()) if kept_w.numel() else float("-inf"),
-        truncated=float(truncated.sum()),
-        masked=float((unit_valid & ~keep_unit).sum()),
+        units=units,
+        weight_sum=weight_sum,
+        weight_min=float(low),
+        weight_max=float(high),
+        truncated=truncated_n,
+        masked=masked,
     )
     if correction.level == "sequence":
         w, keep_unit = layout.to_tokens(w), layout.to_tokens(keep_unit)

@@ -10,6 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_gspo.model.attention import SegmentAttention
 from megatron_gspo.model.norm import RMSNorm
 
 
@@ -17,11 +18,18 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _with_local_norms(layer: ModuleSpec) -> ModuleSpec:
+def _local(layer: ModuleSpec) -> ModuleSpec:
+    """Megatron's local layer with our RMSNorm (sequence parallelism) and core attention
+    (packed sequences, context parallelism) in place of the modules that refuse them."""
     attn = layer.submodules.self_attention
     attn = dataclasses.replace(
         attn,
-        submodules=dataclasses.replace(attn.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm),
+        submodules=dataclasses.replace(
+            attn.submodules,
+            core_attention=SegmentAttention,
+            q_layernorm=RMSNorm,
+            k_layernorm=RMSNorm,
+        ),
     )
     return dataclasses.replace(
         layer,
@@ -44,5 +52,5 @@ def decoder_block_spec(
     if use_te:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_with_local_norms(s) for s in block.layer_specs], layer_norm=RMSNorm
+        layer_specs=[_local(s) for s in block.layer_specs], layer_norm=RMSNorm
     )

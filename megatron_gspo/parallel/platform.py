@@ -2,7 +2,8 @@
 
 Megatron-Core assumes a GPU in a few scattered places: tensors created with ``device="cuda"``,
 ``torch.cuda.current_device()`` used as a device, the CUDA RNG state behind its RNG tracker,
-``torch.cuda.synchronize()`` in the pipeline p2p code, ``Tensor.type()`` compared with
+``torch.cuda.synchronize()`` in the pipeline p2p code, ``pin_memory=True`` host tensors,
+``Tensor.type()`` compared with
 ``'torch.cuda.FloatTensor'`` in the optimizer and gradient clipping, and one name
 (``te_general_gemm``) that the MoE router reads without defining it when Transformer Engine
 is missing. On a CPU-only
@@ -54,6 +55,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            # Pinned host memory only exists beside a GPU (Megatron pins the index tensor it
+            # moves to the GPU when splitting RoPE over context-parallel ranks).
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)

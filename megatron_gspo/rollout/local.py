@@ -7,7 +7,7 @@ attention; RoPE depends only on relative positions, so the shift changes nothing
 
 Every rank runs the same generation (same prompts, same random stream): expert and tensor
 parallel forwards are collective and need identical shapes on all ranks. That duplicates work
-across data-parallel ranks, and pipeline or sequence parallelism cannot decode this way:
+across data-parallel ranks, and pipeline, sequence or context parallelism cannot decode this way:
 ``rollout.local_worker: true`` samples once, in a worker process with a single-rank snapshot
 of the weights (:mod:`megatron_gspo.rollout.local_worker`), for any trainer layout.
 """
@@ -30,6 +30,12 @@ class LocalEngine:
             raise ValueError(
                 "the in-process engine needs parallel.pipeline_model_parallel_size=1; set "
                 "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"
+            )
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                "the in-process engine cannot decode with parallel.context_parallel_size > 1 "
+                "(each rank holds a share of every sequence); set rollout.local_worker: true "
+                "(a generation worker process) or rollout.engine: vllm"
             )
         if config.sequence_parallel:
             raise ValueError(
