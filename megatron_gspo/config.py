@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -45,6 +45,11 @@ class ModelConfig(_Section):
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The (0-based) indices of the MoE layers."""
+        return list(range(self.num_layers)) if self.is_moe else []
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -182,14 +187,25 @@ class TrainConfig(_Section):
     # policy, or the rollout engine's own log-probs (cheaper; GSPO's sequence ratio tolerates
     # the small train/inference mismatch, which is logged either way).
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    # Force the training forward to use the experts the old policy chose (for GRPO on MoE).
-    routing_replay: bool = False
+    # MoE routing replay: the training forward uses the experts of the pre-update policy
+    # (old_policy, "R2": GSPO's paper needed it for its GRPO baseline) or those the rollout
+    # engine routed each token to (rollout, "R3"; the old-policy recompute replays them too).
+    # The router's gating weights are recomputed from its own logits on the replayed experts.
+    # true / false are read as old_policy / none.
+    routing_replay: Literal["none", "old_policy", "rollout"] = "none"
     # Off by default; with asynchronous rollouts (rollout.max_staleness >= 1) it corrects for
     # the weights versions between the sampler and the old policy.
     off_policy_correction: OffPolicyCorrection = OffPolicyCorrection()
     # Overlong filtering (DAPO): responses cut at rollout.max_new_tokens leave the loss and
     # the sequence count (their rewards still shape their group's advantages).
     overlong_filter: bool = False
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _replay_from_bool(cls, value):
+        if isinstance(value, bool):
+            return "old_policy" if value else "none"
+        return value
 
 
 class VLLMConfig(_Section):
@@ -257,6 +273,10 @@ class RolloutConfig(_Section):
     # data-parallel rank, and works with any trainer layout (sequence and pipeline parallelism
     # included). Implied by max_staleness >= 1.
     local_worker: bool = False
+    # MoE: the engine returns the experts it routed every token to (per MoE layer), which gives
+    # the rollout_routing_disagreement metric; train.routing_replay: rollout turns it on. vLLM
+    # servers then run with --enable-return-routed-experts.
+    return_routes: bool = False
     # DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
     # are sampled, up to max_rounds generations per step in all, until prompts_per_step groups
     # with a signal are found.
@@ -406,8 +426,10 @@ class Recipe(_Section):
             )
         if self.eval.keep_best and not self.eval.every:
             raise ValueError("eval.keep_best needs eval.every > 0")
-        if self.train.routing_replay and not self.model.is_moe:
+        if self.train.routing_replay != "none" and not self.model.is_moe:
             raise ValueError("train.routing_replay needs an MoE model (model.num_experts)")
+        if self.rollout.return_routes and not self.model.is_moe:
+            raise ValueError("rollout.return_routes needs an MoE model (model.num_experts)")
         if (
             self.train.off_policy_correction.mode != "none"
             and self.train.old_logprobs != "recompute"
@@ -416,9 +438,14 @@ class Recipe(_Section):
                 "train.off_policy_correction weighs recomputed old log-probs against the "
                 "rollout's, so it needs train.old_logprobs=recompute"
             )
-        if self.train.routing_replay and self.train.old_logprobs != "recompute":
+        if self.train.routing_replay == "old_policy" and self.train.old_logprobs != "recompute":
             raise ValueError(
-                "train.routing_replay records the routing of the old-policy forward, so it "
-                "needs train.old_logprobs=recompute"
+                "train.routing_replay: old_policy records the routing of the old-policy "
+                "forward, so it needs train.old_logprobs=recompute"
             )
         return self
+
+    @property
+    def wants_rollout_routes(self) -> bool:
+        """Whether the engine returns each token's experts with the samples."""
+        return self.rollout.return_routes or self.train.routing_replay == "rollout"

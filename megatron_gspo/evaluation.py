@@ -78,6 +78,7 @@ def evaluate(
                 "group_size": group,
                 "temperature": temperature,
                 "top_p": 1.0 if temperature == 0 else params["top_p"],
+                "return_routes": False,
             },
             seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
         )

@@ -31,7 +31,8 @@ class Policy:
     def __init__(self, recipe: Recipe, groups: ParallelGroups) -> None:
         self.recipe = recipe
         self.groups = groups
-        if recipe.train.routing_replay:
+        replay = recipe.train.routing_replay != "none"
+        if replay:
             # Megatron keeps replay instances in one class-level list; start it empty.
             RouterReplay.clear_global_router_replay_instances()
         self.model = build_model(
@@ -39,7 +40,7 @@ class Policy:
             recipe.parallel,
             recipe.precision,
             memory=recipe.memory,
-            routing_replay=recipe.train.routing_replay,
+            routing_replay=replay,
         )
         self.config = self.model.config
         # Megatron keeps expert weights in an optimizer of their own only under expert

@@ -66,15 +66,16 @@ def router_metrics(stats: RouterStats, *, sequence_parallel: bool) -> dict[str, 
     """Routing flip rate and expert load over the world, each token counted once."""
     counts = torch.tensor([stats.flipped, stats.compared], dtype=torch.float64)
     load = stats.expert_load.clone()
+    disagreement = stats.disagreement.clone()  # [differ, compared] x MoE layers
     # Routers run on every TP rank over the same tokens only without sequence parallelism;
     # counting on every rank and dividing by the TP size would be wrong with it, so count
     # routes where each token is seen once: all ranks with sequence parallelism, TP rank 0
     # without.
     if not sequence_parallel and (parallel_state.get_tensor_model_parallel_rank() != 0):
-        counts.zero_()
-        load.zero_()
-    dist.all_reduce(counts)
-    dist.all_reduce(load)
+        for t in (counts, load, disagreement):
+            t.zero_()
+    for t in (counts, load, disagreement):
+        dist.all_reduce(t)
     mean_load = load.mean().clamp(min=1e-12)
     out = {
         "expert_load_max_over_mean": float(load.max() / mean_load),
@@ -82,6 +83,13 @@ def router_metrics(stats: RouterStats, *, sequence_parallel: bool) -> dict[str, 
     }
     if counts[1] > 0:
         out["routing_flip_rate"] = float(counts[0] / counts[1])
+    differ, compared = disagreement
+    if compared.sum() > 0:
+        out["rollout_routing_disagreement"] = float(differ.sum() / compared.sum())
+        for i, layer in enumerate(stats.moe_layer_numbers):
+            out[f"rollout_routing_disagreement/layer_{layer}"] = float(
+                differ[i] / compared[i].clamp(min=1)
+            )
     return out
 
 

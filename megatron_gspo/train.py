@@ -35,10 +35,12 @@ from megatron_gspo.errors import PREEMPTED_MARKER
 from megatron_gspo.evaluation import eval_prompts, evaluate, is_eval_step
 from megatron_gspo.loss import group_advantages
 from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.model.routes import check_routes
 from megatron_gspo.parallel import init_parallel
 from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import RolloutRequest, RolloutResult, SamplingParams, make_engine
 from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
+from megatron_gspo.rollout.protocol import Completion
 from megatron_gspo.train_step import GSPOTrainer
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ def score(
                     reward=values[k],
                     prompt_index=p_idx,
                     policy_version=c.policy_version,
+                    routes=_checked_routes(c, prompt, recipe),
                 )
             )
             k += 1
@@ -131,6 +134,28 @@ def score(
     if recipe.train.overlong_filter:
         metrics["overlong_filtered"] = float(filtered)
     return samples, metrics
+
+
+def _checked_routes(c: Completion, prompt: Prompt, recipe: Recipe):
+    """The completion's routes, which must cover every token the model reads (an engine that
+    returns fewer rows than the sequence has tokens would misalign every later one)."""
+    if not recipe.wants_rollout_routes:
+        return None
+    if c.routes is None:
+        raise ValueError(
+            f"rollout.engine {recipe.rollout.engine!r} returned no expert routes, which "
+            "train.routing_replay: rollout / rollout.return_routes need"
+        )
+    m = recipe.model
+    check_routes(
+        c.routes,
+        num_tokens=len(prompt.token_ids) + len(c.token_ids) - 1,
+        num_moe_layers=len(m.moe_layers),
+        topk=m.moe_router_topk,
+        num_experts=m.num_experts,
+        where=f"the routes of a response to prompt {prompt.token_ids[:8]}...",
+    )
+    return c.routes
 
 
 def _empty_responses(result: RolloutResult) -> bool:
@@ -261,6 +286,7 @@ def train(
         top_p=recipe.rollout.top_p,
         max_new_tokens=recipe.rollout.max_new_tokens,
         stop_token_ids=tuple(recipe.rollout.stop_token_ids or [stream.tokenizer.eos_id]),
+        return_routes=recipe.wants_rollout_routes,
     )
     rollouts = _rollouts(recipe, engine, stream, params, next_step=start + 1)
     if latest is not None:

@@ -43,6 +43,7 @@ from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss
 from megatron_gspo.loss.kl import reference_kl
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
+from megatron_gspo.model.routes import routes_for_routers
 from megatron_gspo.parallel.context import split_microbatch
 from megatron_gspo.policy import Policy
 from megatron_gspo.step_metrics import (
@@ -81,6 +82,7 @@ class GSPOTrainer:
         self.recipe = policy.recipe
         self.groups = policy.groups
         self.loss_name = self.recipe.loss.name
+        self.replay = self.recipe.train.routing_replay
         self.loss_fn = get_policy_loss(self.loss_name)
         c = self.recipe.train.off_policy_correction
         self.correction = Correction(
@@ -238,15 +240,19 @@ class GSPOTrainer:
         against the rollout log-probs the micro-batches were built with.
         """
         stats = self.policy.router_stats
-        if stats is not None:
-            stats.clear()
         diff = torch.zeros(3, dtype=torch.float64)  # sum |d|, sum k3(d), tokens
         self.policy.train(False)
         for p_idx, plan in enumerate(plans):
             hooks = {}
             if stats is not None:
-                hooks = dict(before=lambda m_idx, p_idx=p_idx: stats.record((p_idx, m_idx)),
-                             after=stats.done)  # fmt: skip
+
+                def before(m_idx, p_idx=p_idx, plan=plan):
+                    rollout = self._router_routes(plan.microbatches[m_idx])
+                    if self.replay == "rollout":
+                        set_replay(RouterReplayAction.REPLAY_FORWARD, rollout)
+                    stats.record((p_idx, m_idx), rollout=rollout)
+
+                hooks = dict(before=before, after=self._forward_done)
             for mb, lp in self._logprob_pass(plan, **hooks):
                 if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
@@ -324,25 +330,46 @@ class GSPOTrainer:
             dist.all_reduce(kept, group=self.groups.cp)
         return int((kept > 0).sum()), stats
 
+    def _router_routes(self, mb: MicroBatch) -> list[torch.Tensor] | None:
+        """The micro-batch's rollout routes as this stage's routers see its tokens."""
+        if mb.routes is None or self.policy.router_stats is None:
+            return None
+        parallel = self.recipe.parallel
+        return routes_for_routers(
+            mb.routes,
+            self.policy.router_stats.layer_index,
+            sequence_parallel=parallel.sequence_parallel,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel.tensor_model_parallel_size,
+        )
+
+    def _forward_done(self) -> None:
+        self.policy.router_stats.done()
+        if self.replay != "none":
+            set_replay(None)
+
     def train_minibatch(self, p_idx: int, plan: MiniBatchPlan) -> dict[str, float]:
         stats = self.policy.router_stats
-        replay = self.recipe.train.routing_replay
         num_micro = len(plan.microbatches)
         scale = self.groups.dp_cp_size * num_micro
 
         def forward_step(data_iterator, model):
             m_idx, mb = next(data_iterator)
-            if replay:
-                set_replay(
-                    RouterReplayAction.REPLAY_FORWARD, stats.recorded_indices((p_idx, m_idx))
-                )
+            key = (p_idx, m_idx)
             if stats is not None:
-                stats.compare((p_idx, m_idx))
+                rollout = self._router_routes(mb)
+                if self.replay == "old_policy":
+                    set_replay(RouterReplayAction.REPLAY_FORWARD, stats.recorded_indices(key))
+                elif self.replay == "rollout":
+                    set_replay(RouterReplayAction.REPLAY_FORWARD, rollout)
+                if mismatch:
+                    # No old-policy pass: the pre-update routing is this forward's.
+                    stats.record(key, rollout=rollout)
+                else:
+                    stats.compare(key)
             out = self._model_forward(model, mb)
             if stats is not None:
-                stats.done()
-            if replay:
-                set_replay(None)
+                self._forward_done()
             return out, lambda logits: self._loss(
                 logits, mb, plan.num_sequences, scale, mismatch=mismatch
             )
@@ -441,6 +468,9 @@ class GSPOTrainer:
         # Micro-batches carry the rollout's log-probs as old ones until recomputed.
         plans = self.plan(samples)
         metrics: dict[str, float] = {}
+        stats = self.policy.router_stats
+        if stats is not None:
+            stats.clear()
         if not from_rollout:
             metrics.update(self.compute_old_logprobs(plans))
         if self.policy.reference is not None:
@@ -448,7 +478,6 @@ class GSPOTrainer:
         if self.correction.mode != "none":
             plans, corrected = self.apply_off_policy_correction(plans)
             metrics.update(corrected)
-        stats = self.policy.router_stats
         if stats is not None:
             stats.reset_counts()
         per_mini = defaultdict(list)

@@ -105,11 +105,13 @@ def test_staleness_never_exceeds_the_bound_even_with_a_slow_trainer(tmp_path):
 
 
 def test_staleness_1_under_two_ranks_resumes_exactly(tmp_path):
-    """Batches queued at a checkpoint are saved with it, so 2 + 2 steps equal 4 (EP2)."""
+    """Batches queued at a checkpoint are saved with it, the rollout's routes included, so
+    2 + 2 steps equal 4 (EP2, rollout routing replay)."""
     parallel = {"expert_model_parallel_size": 2}
     memory = {"use_distributed_optimizer": False}
     common = dict(
         rollout={"max_staleness": 1},
+        train={"routing_replay": "rollout"},
         parallel=parallel,
         memory=memory,
         run={"plot_every": 0, "tensorboard": False},
@@ -122,10 +124,13 @@ def test_staleness_1_under_two_ranks_resumes_exactly(tmp_path):
     a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["staleness_max"] for r in a] == [0, 1, 1, 1]
+    # The generation worker's routes: its own at step 1, a version behind after.
+    disagreement = [r["rollout_routing_disagreement"] for r in a]
+    assert disagreement[0] == 0.0 and all(d > 0 for d in disagreement[1:]), disagreement
     for ra, rb in zip(a, b, strict=True):
         assert _comparable(ra) == _comparable(rb), f"step {ra['step']} differs after resume"
     wa = run_distributed(_weights, 2, straight, 4)[0]
     wb = run_distributed(_weights, 2, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
     queued = Path(tmp_path / "split" / "checkpoints" / "iter_0000002" / "trainer_state.json")
-    assert '"rollout_queue"' in queued.read_text()
+    assert '"rollout_queue"' in queued.read_text() and '"routes"' in queued.read_text()

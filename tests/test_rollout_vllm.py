@@ -26,6 +26,7 @@ from megatron_gspo.rollout import RolloutRequest, SamplingParams
 from megatron_gspo.rollout.vllm import (
     VLLMClient,
     VLLMEngine,
+    VLLMRequestError,
     VLLMUnavailableError,
     wait_until_healthy,
 )
@@ -154,6 +155,16 @@ def test_same_seed_same_samples(moe_server):
     assert [[c.token_ids for c in g] for g in a.completions] == [
         [c.token_ids for c in g] for g in b.completions
     ]
+
+
+@requires_vllm
+def test_a_server_that_returns_no_routes_is_named_with_the_flag_it_needs(moe_server):
+    """Routes (R3) need --enable-return-routed-experts, which vLLM's CPU build refuses
+    (test_routing_replay.py); a server without it answers without routed_experts."""
+    client = VLLMClient([moe_server.url], api_key=moe_server.key, max_retries=1, moe_layers=[0, 1])
+    params = SamplingParams(group_size=2, max_new_tokens=3, return_routes=True)
+    with pytest.raises(VLLMRequestError, match="--enable-return-routed-experts"):
+        client.generate(RolloutRequest(PROMPTS[:1], params))
 
 
 def _prompt_logprobs(client: VLLMClient, prompt: list[int]) -> torch.Tensor:
@@ -363,7 +374,7 @@ def test_a_manifest_that_does_not_match_the_served_model_is_refused(moe_server):
 
 @requires_vllm
 def test_the_servers_routes_need_the_job_key(moe_server):
-    from megatron_gspo.rollout.vllm.client import VLLMRequestError, _http
+    from megatron_gspo.rollout.vllm.client import _http
 
     url = moe_server.url
     for path, body in [

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_gspo.model.routes import filler_routes
 
 
 @dataclass
@@ -42,6 +45,9 @@ class Sample:
     prompt_index: int = 0
     # The weights version (updates applied) that generated it, where the engine knows.
     policy_version: int | None = None
+    # MoE: the rollout engine's experts for each token the model reads, [num_tokens, MoE
+    # layers, k] (megatron_gspo.model.routes), where the recipe asks for them.
+    routes: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +100,9 @@ class MicroBatch:
     # parallelism. Not split over CP ranks: attention and RoPE want the full sequences'.
     attn_cu_seqlens: torch.Tensor | None = None
     attn_cu_seqlens_padded: torch.Tensor | None = None
+    # [b, s, MoE layers, k] the rollout's routes where every sample has them (padding routed
+    # to experts 0..k-1), else None.
+    routes: torch.Tensor | None = None
     # Context-parallel ranks the token tensors are split over (1: the full sequences).
     cp_size: int = 1
 
@@ -212,6 +221,21 @@ def microbatch_width(
     return sum(_round_up(n, segment_multiple) for n in lengths)
 
 
+def _route_rows(rows: list[list[np.ndarray]], slots: list[list[int]], width: int) -> torch.Tensor:
+    """``[b, width, layers, k]`` routes: row ``r`` holds its sequences' routes, each at the
+    start of its slot (``slots[r]`` lengths, back to back), and filler routes elsewhere."""
+    first = next(x for row in rows for x in row)
+    layers, k = first.shape[1:]
+    out = np.empty((len(rows), width, layers, k), dtype=np.int16)
+    out[:] = filler_routes(layers, k)
+    for r, (row, row_slots) in enumerate(zip(rows, slots, strict=True)):
+        start = 0
+        for seq, slot in zip(row, row_slots, strict=False):
+            out[r, start : start + len(seq)] = seq
+            start += slot
+    return torch.from_numpy(out)
+
+
 def _cumsum(lengths: list[int]) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
@@ -247,6 +271,8 @@ def build_microbatch(
     width = _round_up(max(natural, width or 0), pad_to_multiple)
     arrays = [_sequence_arrays(samples[i]) for i in indices]
     has_rollout = bool(indices) and all(samples[i].rollout_logprobs is not None for i in indices)
+    routes = [samples[i].routes for i in indices]
+    has_routes = bool(indices) and all(r is not None for r in routes)
     advantages = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)
     if packing:
         lens = [len(a[0]) for a in arrays]
@@ -264,6 +290,7 @@ def build_microbatch(
             return torch.tensor([sum(fill, []) + [value] * tail])
 
         return MicroBatch(
+            routes=_route_rows([routes], [padded], width) if has_routes else None,
             tokens=row([a[0] for a in arrays], pad_id),
             position_ids=torch.cat([torch.arange(n) for n in segments_padded])[None],
             attention_mask=None,
@@ -287,7 +314,9 @@ def build_microbatch(
     def pad(parts: list[list], value) -> torch.Tensor:
         return torch.tensor([r + [value] * (width - len(r)) for r in parts])
 
+    row_routes = [[r] for r in routes] + [[]] * empty
     return MicroBatch(
+        routes=_route_rows(row_routes, [[width]] * len(row_routes), width) if has_routes else None,
         tokens=pad([a[0] for a in arrays], pad_id),
         position_ids=torch.arange(width).expand(len(arrays), width).clone(),
         # Padding sits after each sequence, so causal attention never reads it.

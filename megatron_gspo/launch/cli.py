@@ -172,6 +172,7 @@ def launch(
                 served_model_name=r.rollout.vllm.model if vllm_model else None,
                 vllm_args=shlex.split(vllm_args),
                 base_env=env,
+                return_routes=r.wants_rollout_routes,
             )
             processes = [(s.cmd, s.env) for s in servers]
     except (RecipeError, LaunchError) as e:

@@ -72,6 +72,7 @@ def rollout_servers(
     vllm_args: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
     python: str = sys.executable,
+    return_routes: bool = False,
 ) -> list[ServerProcess]:
     """One vLLM server per ``tensor_parallel`` GPUs of this node, on consecutive ports.
 
@@ -91,7 +92,10 @@ def rollout_servers(
     out = []
     for i in range(n):
         port = layout.vllm_port + i
-        env = server_env(key, {**(base_env or {}), **a.env})
+        try:
+            env = server_env(key, {**(base_env or {}), **a.env}, return_routes=return_routes)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i * tp : (i + 1) * tp])
         elif n > 1:
@@ -104,6 +108,7 @@ def rollout_servers(
             served_model_name=served_model_name,
             extra_args=vllm_args,
             python=python,
+            return_routes=return_routes,
         )
         out.append(ServerProcess(cmd, env, f"http://{a.node}:{port}"))
     return out

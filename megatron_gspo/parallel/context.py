@@ -96,6 +96,7 @@ def split_microbatch(mb, cp_size: int, cp_rank: int):
         token_advantages=local(mb.token_advantages),
         ref_logprobs=local(mb.ref_logprobs),
         padding_mask=local(mb.padding_mask),
+        routes=local(mb.routes),
         cu_seqlens=None if mb.cu_seqlens is None else mb.cu_seqlens // cp_size,
         cp_size=cp_size,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_gspo.model.routes import RouteRecorder, route_dtype
 from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult
 from megatron_gspo.rollout.sampling import sample_tokens
 
@@ -47,6 +48,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.use_cache = use_cache
         self.version: int | None = None
+        self._recorder: RouteRecorder | None = None
 
     def sync_weights(self, version: int) -> None:
         """Nothing to copy: the engine samples from the trainer's own parameters."""
@@ -93,6 +95,9 @@ class LocalEngine:
 
         ctx = StaticInferenceContext(n, total) if self.use_cache else None
         positions = torch.arange(total)[None].expand(n, total)
+        recorder = self._route_recorder() if params.return_routes else None
+        if recorder is not None:
+            recorder.start()
         logits = self._forward(
             tokens[:, :width],
             positions[:, :width],
@@ -133,6 +138,12 @@ class LocalEngine:
                     causal[None, None, :end, :end] | key_pad[:, None, None, :end],
                     None,
                 )[:, -1]
+        routes = None
+        if recorder is not None:
+            # A prefill over the prompts, then each forward adds the position it decoded (the
+            # last one, where the forward recomputes the whole sequence).
+            forwards = recorder.stop()
+            routes = torch.cat([forwards[0], *(f[:, -1:] for f in forwards[1:])], dim=1)
         completions = []
         for i in range(n):
             k = int(lengths[i])
@@ -142,6 +153,21 @@ class LocalEngine:
                     logprobs=logprobs[i, :k].tolist(),
                     finish_reason="stop" if bool(done[i]) else "length",
                     policy_version=self.version,
+                    routes=None
+                    if routes is None
+                    else self._sample_routes(routes, i, pad, width, k),
                 )
             )
         return completions
+
+    def _route_recorder(self) -> RouteRecorder:
+        if self._recorder is None:
+            self._recorder = RouteRecorder(self.model)
+        return self._recorder
+
+    def _sample_routes(self, routes: torch.Tensor, i: int, pad, width: int, new: int):
+        """Sample ``i``'s ``[tokens, layers, k]`` routes out of a batch's ``[layers, positions,
+        n, k]``: its prompt (after its left padding), then its response but the last token,
+        which was sampled and never read."""
+        rows = routes[:, int(pad[i]) : width + new - 1, i].transpose(0, 1)
+        return rows.numpy().astype(route_dtype(self.model.config.num_moe_experts))

