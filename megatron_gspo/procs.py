@@ -6,17 +6,45 @@ parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere that part does nothing). Help
 ignore SIGTERM and SIGINT: Slurm (requeue, pre-emption, scancel) and a terminal's Ctrl-C signal
 every process of the job, and those signals are meant for the trainer, which still needs its
 helpers to finish the step and save. A helper ends when the trainer stops it or exits.
+
+Exiting needs one more step: Python's multiprocessing, at interpreter exit, sends its daemonic
+children SIGTERM and then waits for them, which a helper ignores; a trainer leaving by an
+exception (one that never reached its helpers' ``close``) would wait forever. Helpers started
+through :func:`kill_at_exit` are killed before that wait.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import socket
 import sys
+import weakref
 
-__all__ = ["die_with_parent", "free_port", "local_world_env"]
+__all__ = ["die_with_parent", "free_port", "kill_at_exit", "local_world_env"]
+
+_HELPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _kill_helpers() -> None:
+    for proc in list(_HELPERS):
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def kill_at_exit(proc) -> None:
+    """SIGKILL the started ``multiprocessing`` process ``proc`` at interpreter exit if it still
+    runs (before multiprocessing waits for it)."""
+    if not _HELPERS:
+        # atexit runs handlers last-registered first: this runs before multiprocessing's own,
+        # which it registered when imported.
+        atexit.unregister(_kill_helpers)
+        atexit.register(_kill_helpers)
+    _HELPERS.add(proc)
+
 
 _PR_SET_PDEATHSIG = 1
 

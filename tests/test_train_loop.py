@@ -263,6 +263,9 @@ def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_pa
         ({"reward": {"functions": [{"name": "nosuch"}]}}, "unknown reward 'nosuch'"),
         ({"rollout": {"max_new_tokens": "six"}}, "rollout.max_new_tokens"),
         ({"train": {"mini_bathces": 2}}, "train.mini_bathces: unknown key"),
+        # Raised in the first update, with the reward workers (which ignore SIGTERM) running:
+        # the trainer must still exit.
+        ({"train": {"micro_batch_tokens": 4}}, "exceeds train.micro_batch_tokens"),
     ],
 )
 def test_bad_input_gives_a_clear_message(tmp_path, change, message):

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_gspo.config import RewardConfig
+from megatron_gspo.procs import kill_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class RewardComputer:
         ]
         for p in self._procs:
             p.start()
+            kill_at_exit(p)
         # Until a worker has set up its signals a SIGTERM would end it: wait for all of them.
         ready, deadline = 0, time.monotonic() + _START_TIMEOUT_S
         while ready < len(self._procs) and time.monotonic() < deadline:

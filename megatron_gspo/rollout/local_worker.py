@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_gspo.config import ModelConfig, PrecisionConfig
+from megatron_gspo.procs import kill_at_exit
 from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
 
 __all__ = ["LocalWorkerEngine"]
@@ -102,6 +103,7 @@ class LocalWorkerEngine:
                 name="gspo-generation-worker",
             )
             self._proc.start()
+            kill_at_exit(self._proc)
             self._call(None, timeout=start_timeout_s)
 
     def _call(self, message: tuple[str, Any] | None, timeout: float = 3600.0) -> Any:
