@@ -178,6 +178,8 @@ def current_layout(policy: Policy) -> dict[str, int]:
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         "distributed_optimizer": int(policy.recipe.memory.use_distributed_optimizer),
+        # Megatron pads the vocabulary for TP; the embedding's rows cannot change on resume.
+        "padded_vocab_size": policy.model.vocab_size,
     }
 
 
@@ -354,6 +356,14 @@ class Checkpointer:
         if resharded:
             log.info("resharding %s: saved as %s, loading as %s", path, saved_layout,
                      current_layout(self.policy))  # fmt: skip
+        saved_vocab = (saved_layout or {}).get("padded_vocab_size")
+        if saved_vocab is not None and saved_vocab != self.policy.model.vocab_size:
+            raise CheckpointError(
+                f"checkpoint {path} holds the vocabulary padded to {saved_vocab} rows, this "
+                f"layout pads it to {self.policy.model.vocab_size}: resume with the saved "
+                "tensor_model_parallel_size, or set model.make_vocab_size_divisible_by so that "
+                "both layouts pad alike (a new run; run.init_from loads any padding)"
+            )
         _init_optimizer_state(self.policy)
         _keep_torch_adam_step(self.policy)
         state = json.loads((path / "trainer_state.json").read_text())

@@ -5,8 +5,9 @@ Two questions answered before a job queues for hours:
 1. Does the layout divide? The world (nodes x GPUs) must factor as TP x PP x CP x DP, and the
    expert side as ETP x EP x PP x expert-DP (Megatron-Core's ``initialize_model_parallel`` builds
    the expert groups from the same ranks as (DP x CP x TP) / ETP per pipeline stage, so
-   ETP x EP must divide TP x CP x DP); heads, query groups, vocabulary and FFN widths must
-   divide by TP (experts' FFN by ETP), layers by PP, experts by EP.
+   ETP x EP must divide TP x CP x DP); heads, query groups, FFN widths (and MLA's latent
+   ranks) must divide by TP (experts' FFN by ETP), layers by PP, experts by EP. The vocabulary
+   is padded to a multiple of TP as Megatron does, and counted so.
 2. Does it fit? Per-GPU memory of the most loaded pipeline stage, by component. The
    assumptions are stated where each figure is computed and summarised in ``ASSUMPTIONS``.
 
@@ -52,62 +53,85 @@ class PlanError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Parameter counts, exact for our Qwen3-style GPTModel.
+# Parameter counts, exact for the GPTModel megatron_gspo.model.provider builds.
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """Parameters of one layer, by how they are sharded."""
+
+    attention: int  # projections: split by TP (MLA's latent down-projections too, locally)
+    replicated: int  # RMSNorm weights, router and its expert bias
+    mlp: int  # a dense layer's SwiGLU, or an MoE layer's shared experts: split by TP
+    experts: int  # all routed experts' SwiGLU: split by EP x ETP
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.replicated + self.mlp + self.experts
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of the whole (unsharded) model, by how they are sharded."""
+    """Parameters of the whole (unsharded) model."""
 
-    embedding: int  # word embeddings [V, h]
+    embedding: int  # word embeddings [V, h] (the tokenizer's rows; padding is per layout)
     output: int  # untied output layer [V, h]; 0 when tied
-    attention_per_layer: int  # QKV + output projection: split by TP
-    replicated_per_layer: int  # RMSNorm weights (2 x h, q/k-norm 2 x head_dim) and router
-    dense_mlp_per_layer: int  # SwiGLU fc1 (2f x h) + fc2 (h x f): split by TP
-    experts_per_layer: int  # all experts' SwiGLU: split by EP x ETP
+    layers: tuple[LayerCounts, ...]
     final_norm: int
-    num_layers: int
 
     @property
     def total(self) -> int:
-        layer = self.attention_per_layer + self.replicated_per_layer
-        layer += self.dense_mlp_per_layer + self.experts_per_layer
-        return self.embedding + self.output + self.final_norm + self.num_layers * layer
+        return self.embedding + self.output + self.final_norm + sum(x.total for x in self.layers)
+
+
+def _attention(m: ModelConfig) -> tuple[int, int]:
+    """(projections, norms) of one layer's attention."""
+    h = m.hidden_size
+    if m.mla is None:
+        q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+        return h * (q + 2 * kv) + q * h, 2 * m.head_dim  # q-norm + k-norm (shared over heads)
+    a, heads = m.mla, m.num_attention_heads
+    q_rows = heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+    q = h * q_rows if a.q_lora_rank is None else a.q_lora_rank * (h + q_rows)
+    kv = h * (a.kv_lora_rank + a.qk_rope_head_dim)
+    kv += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    out = heads * a.v_head_dim * h
+    return q + kv + out, (a.q_lora_rank or 0) + a.kv_lora_rank  # the two latent norms
 
 
 def count_parameters(m: ModelConfig) -> ParamCounts:
-    """Count from the architecture: GQA with QK-norm, no biases, SwiGLU, top-k router without
-    bias, RMSNorm weights only, untied embeddings unless configured otherwise."""
-    h, hd = m.hidden_size, m.head_dim
-    q, kv = m.num_attention_heads * hd, m.num_query_groups * hd
-    attention = h * (q + 2 * kv) + q * h
-    norms = 2 * h + 2 * hd  # input + pre-MLP RMSNorm, q-norm + k-norm (shared over heads)
-    if m.is_moe:
-        experts = m.num_experts * 3 * h * m.moe_ffn_hidden_size
-        router = m.num_experts * h
-        dense_mlp = 0
-    else:
-        experts, router = 0, 0
-        dense_mlp = 3 * h * m.ffn_hidden_size
+    """Count from the architecture: GQA with QK-norm or multi-latent attention, no biases,
+    SwiGLU, dense or top-k MoE layers (with shared experts and an expert bias where
+    configured), RMSNorm weights only, untied embeddings unless configured otherwise."""
+    h = m.hidden_size
+    attention, attention_norms = _attention(m)
+    layers = []
+    for i in range(m.num_layers):
+        replicated = 2 * h + attention_norms  # input + pre-MLP RMSNorm
+        if i in m.moe_layers:
+            replicated += m.num_experts * h + (m.num_experts if m.moe_router_expert_bias else 0)
+            mlp = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
+            experts = m.num_experts * 3 * h * m.moe_ffn_hidden_size
+        else:
+            mlp, experts = 3 * h * m.ffn_hidden_size, 0
+        layers.append(LayerCounts(attention, replicated, mlp, experts))
     return ParamCounts(
         embedding=m.vocab_size * h,
         output=m.vocab_size * h if m.untie_embeddings_and_output_weights else 0,
-        attention_per_layer=attention,
-        replicated_per_layer=norms + router,
-        dense_mlp_per_layer=dense_mlp,
-        experts_per_layer=experts,
+        layers=tuple(layers),
         final_norm=h,
-        num_layers=m.num_layers,
     )
 
 
 def active_parameters(m: ModelConfig) -> int:
     """Parameters a token passes through (top-k experts instead of all)."""
     c = count_parameters(m)
-    per_expert = c.experts_per_layer // m.num_experts if m.is_moe else 0
-    per_layer = c.attention_per_layer + c.replicated_per_layer + c.dense_mlp_per_layer
-    per_layer += per_expert * (m.moe_router_topk if m.is_moe else 0)
-    return c.embedding + c.output + c.final_norm + m.num_layers * per_layer
+    active = c.embedding + c.output + c.final_norm
+    for layer in c.layers:
+        active += layer.attention + layer.replicated + layer.mlp
+        if layer.experts:
+            active += layer.experts // m.num_experts * m.moe_router_topk
+    return active
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,11 +170,18 @@ def check_world(recipe: Recipe, world: int) -> Layout:
     need(world, etp * ep * pp, f"world size vs ETP{etp} x EP{ep} x PP{pp}")
     need(m.num_attention_heads, tp, "model.num_attention_heads vs TP")
     need(m.num_query_groups, tp, "model.num_query_groups vs TP")
-    need(m.vocab_size, tp, "model.vocab_size vs TP")
+    if m.mla is not None:
+        if m.mla.q_lora_rank is not None:
+            need(m.mla.q_lora_rank, tp, "model.mla.q_lora_rank vs TP")
+        need(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, tp, "MLA kv latent + RoPE dims vs TP")
     need(m.num_layers, pp, "model.num_layers vs PP")
     if m.is_moe:
         need(m.num_experts, ep, "model.num_experts vs EP")
         need(m.moe_ffn_hidden_size, etp, "model.moe_ffn_hidden_size vs ETP")
+        if m.moe_shared_expert_intermediate_size:
+            need(m.moe_shared_expert_intermediate_size, tp, "shared experts' width vs TP")
+        if m.dense_layers:
+            need(m.ffn_hidden_size, tp, "model.ffn_hidden_size (dense layers) vs TP")
         if tp > 1 and not p.sequence_parallel:
             errors.append("MoE with TP > 1 needs parallel.sequence_parallel: true (Megatron-Core)")
     else:
@@ -175,8 +206,9 @@ def check_world(recipe: Recipe, world: int) -> Layout:
 # Memory.
 
 
-def activation_bytes_per_token_layer(recipe: Recipe) -> float:
-    """Bytes one token leaves saved for backward in one layer, before TP splitting.
+def activation_bytes_per_token_layer(recipe: Recipe, *, moe: bool | None = None) -> float:
+    """Bytes one token leaves saved for backward in one layer (an MoE layer where ``moe``,
+    else a dense one; by default the model's kind), before TP splitting.
 
     Our own accounting for this architecture, in the spirit of Korthikanti et al. (2022) but
     counted tensor by tensor for GQA, QK-norm, SwiGLU and top-k MoE with flash attention
@@ -184,8 +216,12 @@ def activation_bytes_per_token_layer(recipe: Recipe) -> float:
 
     attention  2 x [2h (norm in, QKV in) + (a + 2g) d (q, k, v) + (a + g) d (q, k after norm
                and RoPE) + a d (attention out, projection in)]
+    MLA        2 x [2h + 2 q_lora + 2 (kv_lora + r) (latents before and after their norms)
+               + 3 a (nope + r) (q, k before RoPE and the RoPE'd q, k, together)
+               + 2 a v (value, attention out)]
     MoE        2 x [2h (norm in, router in)] + 8 E (fp32 router logits and probabilities)
                + 2 k [h (dispatched input) + 2f (fc1 out) + f (SwiGLU out) + h (expert out)]
+               + shared experts as a dense MLP of their width
     dense MLP  2 x [2h + 2f + f]
 
     Selective recompute removes what its modules would have saved: ``layernorm`` the two
@@ -194,13 +230,22 @@ def activation_bytes_per_token_layer(recipe: Recipe) -> float:
     flash attention stores no scores anyway.
     """
     m, mem = recipe.model, recipe.memory
+    moe = m.is_moe if moe is None else moe
     h, d = m.hidden_size, m.head_dim
     a, g = m.num_attention_heads, m.num_query_groups
-    attn = 2 * (2 * h + (a + 2 * g) * d + (a + g) * d + a * d)
-    if m.is_moe:
+    if m.mla is None:
+        attn = 2 * (2 * h + (a + 2 * g) * d + (a + g) * d + a * d)
+    else:
+        x = m.mla
+        latents = 2 * (x.q_lora_rank or 0) + 2 * (x.kv_lora_rank + x.qk_rope_head_dim)
+        attn = 2 * (2 * h + latents + 3 * a * d + 2 * a * x.v_head_dim)
+    if moe:
         k, f = m.moe_router_topk, m.moe_ffn_hidden_size
         act = 2 * k * f
         mlp = 2 * 2 * h + 8 * m.num_experts + 2 * k * (h + 2 * f + f + h)
+        shared = m.moe_shared_expert_intermediate_size or 0
+        act += 2 * shared
+        mlp += 2 * 3 * shared
     else:
         k, f = 1, m.ffn_hidden_size
         act = 2 * f
@@ -288,17 +333,27 @@ def plan_memory(
         raise PlanError(f"rollout GPU fraction must be in [0, 1), got {rollout_gpu_fraction}")
     m, lay = recipe.model, check_world(recipe, nodes * gpus_per_node)
     c = count_parameters(m)
-    layers = m.num_layers // lay.pp
+    per_stage = m.num_layers // lay.pp
+    # Megatron's vocabulary rows under this TP (padding included), split over TP.
+    vocab_rows = m.padded_vocab_size(lay.tp) * m.hidden_size // lay.tp
 
-    # The fullest stage: with PP1 it holds the embedding and the output layer; with PP > 1 the
-    # first holds the embedding and the last the output (or a tied copy), each V x h.
-    vocab_on_stage = c.embedding + (c.output if lay.pp == 1 else 0)
-    dense = vocab_on_stage // lay.tp
-    dense += layers * (
-        c.attention_per_layer // lay.tp + c.replicated_per_layer + c.dense_mlp_per_layer // lay.tp
-    )
-    dense += c.final_norm
-    expert = layers * c.experts_per_layer // (lay.ep * lay.etp)
+    def stage(s: int) -> tuple[int, int, list[int]]:
+        """(dense, expert) parameters per GPU of pipeline stage ``s``, and its layers."""
+        layers = list(range(s * per_stage, (s + 1) * per_stage))
+        dense = sum(
+            c.layers[i].attention // lay.tp + c.layers[i].replicated + c.layers[i].mlp // lay.tp
+            for i in layers
+        )
+        if s == 0:
+            dense += vocab_rows
+        if s == lay.pp - 1:
+            dense += c.final_norm + (vocab_rows if c.output or lay.pp > 1 else 0)
+        expert = sum(c.layers[i].experts for i in layers) // (lay.ep * lay.etp)
+        return dense, expert, layers
+
+    # The fullest stage: the first holds the embedding, the last the output layer (or, with
+    # PP > 1, a tied copy), each V x h.
+    dense, expert, layers = max((stage(s) for s in range(lay.pp)), key=lambda t: t[0] + t[1])
 
     bf16 = recipe.precision.bf16 or m.params_dtype == "bfloat16"
     w_bytes = 2 if bf16 else 4
@@ -312,7 +367,12 @@ def plan_memory(
     # Activations: tokens of one micro-batch on this GPU, times layers, times micro-batches
     # in flight (1F1B keeps up to PP of them on the first stage).
     tokens = recipe.train.micro_batch_tokens / lay.cp
-    per_layer = activation_bytes_per_token_layer(recipe) * tokens / lay.tp
+    kinds = [i in m.moe_layers for i in layers]
+    acts_per_layer = [
+        activation_bytes_per_token_layer(recipe, moe=moe) * tokens / lay.tp for moe in kinds
+    ]
+    per_layer = max(acts_per_layer)
+    n_layers = len(layers)
     mem = recipe.memory
     if mem.recompute_granularity == "full":
         # Only each recompute chunk's input is kept (2h per token), plus one chunk's
@@ -320,14 +380,14 @@ def plan_memory(
         n = mem.recompute_num_layers or 1
         chunk_input = 2 * m.hidden_size * tokens / lay.tp
         if mem.recompute_method == "uniform":
-            stored = math.ceil(layers / n) * chunk_input + min(n, layers) * per_layer
+            stored = math.ceil(n_layers / n) * chunk_input + min(n, n_layers) * per_layer
         else:  # block: the first n layers of the stage are recomputed, the rest are kept
-            n = min(n, layers)
-            stored = n * chunk_input + (layers - n) * per_layer + (per_layer if n else 0)
+            n = min(n, n_layers)
+            stored = n * chunk_input + sum(acts_per_layer[n:]) + (per_layer if n else 0)
         acts = stored * lay.pp
     else:
-        acts = layers * per_layer * lay.pp
-    logits = 6 * tokens * m.vocab_size / lay.tp
+        acts = sum(acts_per_layer) * lay.pp
+    logits = 6 * tokens * m.padded_vocab_size(lay.tp) / lay.tp
 
     capacity = GPU_MEMORY_MIB[gpu] * 1024**2
     rows = {

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -23,6 +22,7 @@ from megatron_gspo.model import build_model
 from megatron_gspo.model.router_stats import RouterStats
 from megatron_gspo.parallel import ParallelGroups
 from megatron_gspo.weights import load_full_state_dict
+from megatron_gspo.weights.dist_ckpt import load_model_weights
 
 
 class Policy:
@@ -173,8 +173,7 @@ class Policy:
         path = Path(checkpoint_dir)
         if not (path / "metadata.json").is_file():
             raise FileNotFoundError(f"{path}: not a Megatron distributed checkpoint")
-        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path))
-        self.model.load_state_dict(state)
+        load_model_weights(self.model, path)
         self.optimizer.reload_model_params()
         self.reset_reference()
 

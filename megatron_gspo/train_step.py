@@ -83,6 +83,8 @@ class GSPOTrainer:
         self.groups = policy.groups
         self.loss_name = self.recipe.loss.name
         self.replay = self.recipe.train.routing_replay
+        # Ids past the tokenizer's vocabulary are Megatron's padding: never scored.
+        self.vocab_size = self.recipe.model.vocab_size
         self.loss_fn = get_policy_loss(self.loss_name)
         c = self.recipe.train.off_policy_correction
         self.correction = Correction(
@@ -223,7 +225,9 @@ class GSPOTrainer:
                 after()
 
             def loss_func(logits):
-                lp = token_logprobs(logits, mb.targets, tp_group=self.groups.tp)
+                lp = token_logprobs(
+                    logits, mb.targets, tp_group=self.groups.tp, vocab_size=self.vocab_size
+                )
                 return lp.sum() * 0, torch.tensor(1), {"logprobs": lp, "mb": m_idx}
 
             return out, loss_func
@@ -398,7 +402,11 @@ class GSPOTrainer:
         mismatch: bool = False,
     ):
         lp, entropy = token_logprobs(
-            logits, mb.targets, tp_group=self.groups.tp, return_entropy=True
+            logits,
+            mb.targets,
+            tp_group=self.groups.tp,
+            return_entropy=True,
+            vocab_size=self.vocab_size,
         )
         if mb.num_sequences == 0 or not self._any_token(mb):
             # A filler micro-batch (or one the off-policy correction masked entirely) keeps

@@ -28,31 +28,88 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_hf_moe(
-    path: Path, seed: int = 0, rope_theta: float = 10000.0, **save_kwargs
+    path: Path,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+    save_kwargs: dict | None = None,
+    **config,
 ) -> torch.nn.Module:
+    """Qwen3-MoE; ``config`` overrides (an odd vocabulary, mlp_only_layers, norm_topk_prob)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        rope_theta=rope_theta,
-        dtype="float32",
-        attn_implementation="eager",
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            "rope_theta": rope_theta,
+            "dtype": "float32",
+            "attn_implementation": "eager",
+            **config,
+        }
     )
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     _randomize(model, seed)
-    model.save_pretrained(path, **save_kwargs)
+    model.save_pretrained(path, **(save_kwargs or {}))
+    return model
+
+
+def make_hf_deepseek(path: Path, seed: int = 2, **config) -> torch.nn.Module:
+    """A tiny DeepSeek-V3: multi-latent attention, a dense layer then an MoE layer with a
+    shared expert, sigmoid routing whose choice depends on the correction bias and on the
+    groups (8 experts in 4 groups, the best 2 groups, top-4), routed scaling 2.5."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 4,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+            "num_nextn_predict_layers": 0,
+            "dtype": "float32",
+            "attn_implementation": "eager",
+            **config,
+        }
+    )
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    _randomize(model, seed)
+    # The correction bias is a buffer: as large as the scores' spread, so it changes routes.
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
     return model
 
 

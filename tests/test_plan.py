@@ -17,6 +17,7 @@ from megatron_gspo.plan import (
     GIB,
     PlanError,
     activation_bytes_per_token_layer,
+    active_parameters,
     count_parameters,
     plan,
     plan_memory,
@@ -26,6 +27,7 @@ from megatron_gspo.recipe import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 MOE = REPO / "recipes" / "qwen3-30b-a3b-gspo.yaml"
 DENSE = REPO / "recipes" / "qwen3-8b-gspo.yaml"
+MOONLIGHT = REPO / "recipes" / "moonlight-16b-a3b-gspo.yaml"
 
 
 def _row(p, prefix: str) -> float:
@@ -60,6 +62,24 @@ def test_qwen3_8b_parameter_count_matches_the_architecture():
     by_hand = 2 * V * h + h + layers * per_layer
     assert count_parameters(load_recipe(DENSE).model).total == by_hand
     assert 8.1e9 < by_hand < 8.3e9  # "8.2 B"
+
+
+def test_moonlight_16b_a3b_parameter_count_matches_the_architecture():
+    """Multi-latent attention (no query latent), a dense first layer, 64 routed experts with
+    their correction bias and 2 shared ones (one MLP of twice the width)."""
+    h, layers, vocab, e, f, shared, dense_ffn, heads = 2048, 27, 163840, 64, 1408, 2816, 11264, 16
+    attn = h * heads * (128 + 64) + h * (512 + 64) + 512 * heads * (128 + 128) + heads * 128 * h
+    norms = 2 * h + 512  # input and pre-MLP norms, the key/value latent's norm
+    dense = attn + norms + 3 * h * dense_ffn
+    moe = attn + norms + e * h + e + 3 * h * shared + e * 3 * h * f
+    by_hand = 2 * vocab * h + h + dense + (layers - 1) * moe
+    model = load_recipe(MOONLIGHT).model
+    assert count_parameters(model).total == by_hand
+    assert 15.9e9 < by_hand < 16.0e9  # "16B"
+    per_expert = 3 * h * f
+    active = by_hand - (layers - 1) * (e - 6) * per_expert
+    assert active_parameters(model) == active
+    assert 2.8e9 < active < 3.0e9  # "A3B"
 
 
 @pytest.mark.parametrize("nodes", [4, 8])
@@ -135,7 +155,12 @@ def test_colocated_rollout_share_is_counted():
 
 
 def test_plan_table_for_the_shipped_recipes():
-    for recipe, args in [(MOE, ["--nodes", "4", "--gpu", "h200"]), (DENSE, ["--nodes", "1"])]:
+    shipped = [
+        (MOE, ["--nodes", "4", "--gpu", "h200"]),
+        (DENSE, ["--nodes", "1"]),
+        (MOONLIGHT, ["--nodes", "2", "--gpu", "h200"]),
+    ]
+    for recipe, args in shipped:
         result = CliRunner().invoke(plan, [str(recipe), *args])
         assert result.exit_code == 0, result.output
         assert "total" in result.output and "assumptions:" in result.output
@@ -145,7 +170,7 @@ def test_plan_table_for_the_shipped_recipes():
     assert tiny.fits and tiny.total / GIB < 10
 
 
-@pytest.mark.parametrize("recipe", [MOE, DENSE], ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", [MOE, DENSE, MOONLIGHT], ids=lambda p: p.name)
 def test_shipped_gpu_recipes_validate(recipe):
     from megatron_gspo.cli import main
 

@@ -63,11 +63,21 @@ class _TokenLogprobs(torch.autograd.Function):
         tp_group: dist.ProcessGroup | None,
         rows_per_chunk: int,
         with_entropy: bool,
+        vocab_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        padded_logits = logits
         n_rows, vocab_local = logits.shape
         compute_dtype = _compute_dtype(logits.dtype)
         tp_size = group_size(tp_group)
         vocab_start = dist.get_rank(tp_group) * vocab_local if tp_size > 1 else 0
+        # Vocabulary padding (ids >= vocab_size) is no token: its columns are left out.
+        real = (
+            vocab_local
+            if vocab_size is None
+            else max(0, min(vocab_local, vocab_size - vocab_start))
+        )
+        logits = logits[:, :real]
+        vocab_local = real
 
         # Which rows' targets live on this shard, and where.
         local_ids = targets - vocab_start
@@ -75,8 +85,13 @@ class _TokenLogprobs(torch.autograd.Function):
         local_ids = torch.where(in_shard, local_ids, torch.zeros_like(local_ids))
 
         # max and gather are exact in the logits' own dtype, so no fp32 copy is needed for them.
-        row_max = logits.max(dim=-1).values.to(compute_dtype)
-        target_logit = logits.gather(-1, local_ids.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
+        if real:
+            row_max = logits.max(dim=-1).values.to(compute_dtype)
+            target_logit = logits.gather(-1, local_ids.unsqueeze(-1)).squeeze(-1)
+            target_logit = target_logit.to(compute_dtype)
+        else:  # a shard of padding only
+            row_max = logits.new_full((n_rows,), float("-inf"), dtype=compute_dtype)
+            target_logit = row_max.new_zeros(n_rows)
         target_logit = torch.where(in_shard, target_logit, torch.zeros_like(target_logit))
         if tp_size > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
@@ -119,8 +134,9 @@ class _TokenLogprobs(torch.autograd.Function):
 
         ctx.rows_per_chunk = rows_per_chunk
         ctx.with_entropy = with_entropy
+        ctx.real = real
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, local_ids, in_shard, lse, entropy)
+        ctx.save_for_backward(padded_logits, local_ids, in_shard, lse, entropy)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -129,11 +145,15 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ):
-        logits, local_ids, in_shard, lse, entropy = ctx.saved_tensors
+        padded_logits, local_ids, in_shard, lse, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        grad_padded = torch.zeros_like(padded_logits)
+        if not ctx.real:
+            return grad_padded, None, None, None, None, None
+        logits = padded_logits[:, : ctx.real]
         n_rows, vocab_local = logits.shape
         rows_per_chunk = ctx.rows_per_chunk
         if grad_logprobs is None:
@@ -143,7 +163,7 @@ class _TokenLogprobs(torch.autograd.Function):
         # The one-hot term only touches the target column of rows whose target is on this shard.
         target_grad = torch.where(in_shard, grad_logprobs, torch.zeros_like(grad_logprobs))
 
-        grad_logits = torch.empty_like(logits)
+        grad_logits = grad_padded[:, :vocab_local]
         rows = min(rows_per_chunk, n_rows)
         work_buf = logits.new_empty((rows, vocab_local), dtype=lse.dtype)
         prob_buf = torch.empty_like(work_buf) if grad_entropy is not None else None
@@ -165,7 +185,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 work.mul_(probs).neg_()
             work.scatter_add_(1, local_ids[start:stop, None], target_grad[start:stop, None])
             grad_logits[start:stop].copy_(work)
-        return grad_logits, None, None, None, None
+        return grad_padded, None, None, None, None, None
 
 
 def token_logprobs(
@@ -175,6 +195,7 @@ def token_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fp32 log-probability of each target token (and the fp32 entropy of each row, if asked).
 
@@ -191,6 +212,9 @@ def token_logprobs(
         chunk_size: rows converted to fp32 at a time. ``None`` picks the number of rows whose
             fp32 copy is about 64 MiB (``DEFAULT_CHUNK_ELEMENTS``), which bounds the op's extra
             memory independently of the number of tokens.
+        vocab_size: the real vocabulary, where the model pads it (Megatron's rows up to a
+            multiple of TP): ids from ``vocab_size`` on take no probability, no entropy and no
+            gradient, as if the logits stopped there.
 
     Returns:
         ``logprobs`` of shape ``logits.shape[:-1]`` in fp32 (fp64 for fp64 logits), or
@@ -218,7 +242,7 @@ def token_logprobs(
     targets_1d = targets.reshape(-1).long()
     rows_per_chunk = _rows_per_chunk(chunk_size, vocab_local)
     logprobs, entropy = _TokenLogprobs.apply(
-        logits_2d, targets_1d, tp_group, rows_per_chunk, return_entropy
+        logits_2d, targets_1d, tp_group, rows_per_chunk, return_entropy, vocab_size
     )
     logprobs = logprobs.view(batch_shape)
     if return_entropy:

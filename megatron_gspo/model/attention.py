@@ -63,7 +63,6 @@ class SegmentAttention(MegatronModule):
         if self.cp_group is None:
             self.cp_group = parallel_state.get_context_parallel_group()
         self.num_heads = divide(config.num_attention_heads, tp)
-        self.num_groups = divide(config.num_query_groups, tp)
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
 

@@ -20,10 +20,12 @@ class RMSNorm(torch.nn.Module):
         config: TransformerConfig,
         hidden_size: int,
         eps: float = 1e-6,
+        fixed_eps: float | None = None,
         **unused: object,
     ) -> None:
         super().__init__()
-        self.eps = eps
+        # fixed_eps (from the layer spec) overrides the config's epsilon Megatron passes in.
+        self.eps = eps if fixed_eps is None else fixed_eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Read by finalize_model_grads: under sequence parallelism each TP rank sees a slice of
         # the sequence, so this weight's gradient is a partial sum across the TP group.

@@ -1,4 +1,5 @@
-"""Builds the Qwen3-style Megatron-Core ``GPTModel`` (dense or MoE) from a recipe."""
+"""Builds the Megatron-Core ``GPTModel`` of a recipe: Qwen3-style (GQA, dense or MoE) or the
+DeepSeek-V3 family's (multi-latent attention, shared experts, sigmoid routing with a bias)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_gspo.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
 from megatron_gspo.extras import require_extra
 from megatron_gspo.model.aux_loss import guard_empty_microbatches
+from megatron_gspo.model.expert_bias import count_expert_tokens_without_padding
 from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -22,7 +24,6 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     checks = [
         ("num_attention_heads", model.num_attention_heads, "tensor_model_parallel_size", tp),
         ("num_query_groups", model.num_query_groups, "tensor_model_parallel_size", tp),
-        ("vocab_size", model.vocab_size, "tensor_model_parallel_size", tp),
         (
             "num_layers",
             model.num_layers,
@@ -30,6 +31,16 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
             parallel.pipeline_model_parallel_size,
         ),
     ]
+    if model.mla is not None:
+        # Without Transformer Engine the latent down-projections are split over TP too.
+        if model.mla.q_lora_rank is not None:
+            checks.append(
+                ("mla.q_lora_rank", model.mla.q_lora_rank, "tensor_model_parallel_size", tp)
+            )
+        latent = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
+        checks.append(
+            ("mla.kv_lora_rank + mla.qk_rope_head_dim", latent, "tensor_model_parallel_size", tp)
+        )
     if model.is_moe:
         checks.append(
             (
@@ -72,19 +83,30 @@ def transformer_config(
         moe = dict(
             num_moe_experts=model.num_experts,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_layer_freq=[int(i not in model.dense_layers) for i in range(model.num_layers)],
             moe_router_topk=model.moe_router_topk,
             moe_aux_loss_coeff=_aux_loss_coeff(model),
             moe_router_load_balancing_type=model.moe_aux_loss_type,
-            # Softmax over the top-k logits equals Qwen3's softmax-then-renormalize routing.
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=False,
+            moe_router_score_function=model.moe_router_score_function,
+            # Softmax over the top-k logits is softmax-then-renormalize (norm_topk_prob);
+            # without renormalizing, the top-k of a softmax over every expert.
+            moe_router_pre_softmax=not model.moe_norm_topk_prob,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+            moe_router_enable_expert_bias=model.moe_router_expert_bias,
+            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_router_num_groups=model.moe_router_num_groups,
+            moe_router_group_topk=model.moe_router_group_topk,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
             moe_router_dtype="fp32",
             # alltoall needs CUDA streams; allgather runs everywhere.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=use_te,
             moe_enable_routing_replay=routing_replay,
         )
-    return TransformerConfig(
+    config_cls, attention = TransformerConfig, {}
+    if model.mla is not None:
+        config_cls, attention = MLATransformerConfig, _mla(model)
+    return config_cls(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -132,7 +154,38 @@ def transformer_config(
         recompute_num_layers=memory.recompute_num_layers,
         **({"recompute_modules": memory.recompute_modules} if memory.recompute_modules else {}),
         **moe,
+        **attention,
     )
+
+
+def _mla(model: ModelConfig) -> dict:
+    """Megatron-Core's multi-latent attention settings (and its RoPE, which it owns)."""
+    mla, yarn = model.mla, model.rope_scaling
+    out = dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        # Megatron's qk_head_dim is the part without RoPE.
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=model.rotary_base,
+        # The config's default is YaRN; its softmax scale reads mscale_all_dim even for plain
+        # RoPE, where it must stay 0 (a scale of 1).
+        rope_type="rope",
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
+    if yarn is not None:
+        out.update(
+            rope_type="yarn",
+            rotary_scaling_factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            mscale=yarn.mscale,
+            mscale_all_dim=yarn.mscale_all_dim,
+        )
+    return out
 
 
 def _aux_loss_coeff(model: ModelConfig) -> float:
@@ -161,16 +214,22 @@ def build_model(
 ) -> GPTModel:
     """The policy's stage for this rank; parallel state must already be initialized."""
     guard_empty_microbatches()
+    count_expert_tokens_without_padding()
     if use_te is None:
         use_te = transformer_engine_available()
     config = transformer_config(
         model, parallel, precision, memory=memory, routing_replay=routing_replay, use_te=use_te
     )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, use_te=use_te, pp_rank=pp_rank),
-        vocab_size=model.vocab_size,
+        transformer_layer_spec=decoder_block_spec(
+            config,
+            use_te=use_te,
+            pp_rank=pp_rank,
+            latent_norm_epsilon=model.mla.latent_norm_epsilon if model.mla else None,
+        ),
+        vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -180,3 +239,7 @@ def build_model(
         # would silently move a fractional rope_theta (100.5 -> 100 moved logits by 7e-2).
         rotary_base=model.rotary_base,
     )
+    # The tokenizer's vocabulary: ids from here to gpt.vocab_size are padding (weights/shards,
+    # loss/logprobs and the engines leave them out).
+    gpt.vocab_size_unpadded = model.vocab_size
+    return gpt

@@ -76,11 +76,14 @@ class LocalEngine:
         return RolloutResult([out[i : i + g] for i in range(0, len(out), g)])
 
     def _forward(self, tokens, positions, mask, ctx):
+        """Full-vocabulary logits; Megatron's padded ids are cut off, so never sampled."""
         if ctx is None:
-            return self.model(tokens, positions, mask, runtime_gather_output=True)
-        return self.model(
-            tokens, positions, mask, inference_context=ctx, runtime_gather_output=True
-        )
+            logits = self.model(tokens, positions, mask, runtime_gather_output=True)
+        else:
+            logits = self.model(
+                tokens, positions, mask, inference_context=ctx, runtime_gather_output=True
+            )
+        return logits[..., : self.model.vocab_size_unpadded]
 
     def _generate_batch(self, prompts: list[list[int]], params, generator) -> list[Completion]:
         n, width = len(prompts), max(len(p) for p in prompts)

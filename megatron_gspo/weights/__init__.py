@@ -6,6 +6,7 @@ from megatron_gspo.weights.shards import (
     load_full_state_dict,
     shard_infos,
     slice_full,
+    weight_tensors,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "load_full_state_dict",
     "shard_infos",
     "slice_full",
+    "weight_tensors",
 ]

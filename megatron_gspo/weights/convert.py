@@ -1,4 +1,4 @@
-"""Checkpoint conversion between Hugging Face Qwen3 / Qwen3-MoE and Megatron-Core.
+"""Checkpoint conversion between Hugging Face (Qwen3, Qwen3-MoE, DeepSeek-V3) and Megatron-Core.
 
 ``hf-to-megatron`` streams safetensors tensors through :class:`HFMapping` into a Megatron
 ``torch_dist`` checkpoint (see :mod:`megatron_gspo.weights.dist_ckpt` for why it does not build
@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from megatron_gspo.config import ModelConfig, ParallelConfig
 from megatron_gspo.model.hf_config import (
     HFConfigError,
     hf_config_from_model_config,
+    load_hf_config,
     model_config_from_hf,
 )
 from megatron_gspo.weights.hf import HFMapping
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MODEL_CONFIG_FILE = "model_config.yaml"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -152,8 +155,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
 # -- Hugging Face -> Megatron ----------------------------------------------------------------
 
 
-def _check_hf_tensors(reader: HFCheckpointReader, mapping: HFMapping, src: Path) -> None:
-    """Every tensor the config implies is present with its shape and dtype; nothing extra."""
+def _check_hf_tensors(
+    reader: HFCheckpointReader, mapping: HFMapping, src: Path, *, mtp_layers: int = 0
+) -> None:
+    """Every tensor the config implies is present with its shape and dtype; nothing extra
+    (but the multi-token-prediction layers a DeepSeek-V3 checkpoint may carry, which are
+    dropped with a notice)."""
     cfg = mapping.cfg
     dtype = _DTYPES[cfg.params_dtype]
     for name, shape in mapping.hf_shapes.items():
@@ -164,22 +171,35 @@ def _check_hf_tensors(reader: HFCheckpointReader, mapping: HFMapping, src: Path)
             raise ConversionError(
                 f"{src}: tensor {name!r} has shape {got}, the config implies {shape}"
             )
-        if reader.dtype(name) != dtype:
+        want = mapping.hf_dtype(name, dtype)
+        if reader.dtype(name) != want:
             raise ConversionError(
-                f"{src}: tensor {name!r} is {reader.dtype(name)}, config.json says {dtype}"
+                f"{src}: tensor {name!r} is {reader.dtype(name)}, expected {want}"
             )
     known = set(mapping.hf_shapes)
-    extra = []
+    extra, mtp = [], []
     for name in reader.entries:
         if name in known or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             continue
         if name == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
             # Some tied checkpoints store the (identical) output layer as well.
             continue
+        layer = _LAYER_INDEX.match(name)
+        if mtp_layers and layer and cfg.num_layers <= int(layer[1]) < cfg.num_layers + mtp_layers:
+            mtp.append(name)
+            continue
         extra.append(name)
     if extra:
         raise ConversionError(
             f"{src}: {len(extra)} tensors the model has no place for, e.g. {extra[:3]}"
+        )
+    if mtp:
+        log.warning(
+            "%s: dropped the %d tensors of %d multi-token-prediction layer(s) "
+            "(num_nextn_predict_layers): the policy trains the main model only",
+            src,
+            len(mtp),
+            mtp_layers,
         )
 
 
@@ -192,12 +212,13 @@ def hf_to_megatron(
     ep: int = 1,
     progress: bool = True,
 ) -> ModelConfig:
-    """Convert a Hugging Face Qwen3 / Qwen3-MoE safetensors checkpoint to ``dst``.
+    """Convert a Hugging Face (Qwen3, Qwen3-MoE, DeepSeek-V3) safetensors checkpoint to ``dst``.
 
     ``tp``, ``pp`` and ``ep`` are the layout training will load it with; the checkpoint itself
     is layout-free, so they are only validated against the model.
     """
-    from megatron_gspo.weights.dist_ckpt import checkpoint_layout, write_checkpoint
+    from megatron_gspo.weights.dist_ckpt import VOCAB_TENSORS, checkpoint_layout, write_checkpoint
+    from megatron_gspo.weights.shards import pad_rows
 
     src, dst = Path(src), Path(dst)
     try:
@@ -207,7 +228,10 @@ def hf_to_megatron(
     except (HFConfigError, SafetensorsError) as e:
         raise ConversionError(str(e)) from e
     mapping = HFMapping(cfg)
-    _check_hf_tensors(reader, mapping, src)
+    hf_cfg, _ = load_hf_config(src)
+    _check_hf_tensors(
+        reader, mapping, src, mtp_layers=int(hf_cfg.get("num_nextn_predict_layers") or 0)
+    )
 
     with _atomic_dir(dst) as tmp:
         entries = checkpoint_layout(cfg)
@@ -217,6 +241,8 @@ def hf_to_megatron(
             raise RuntimeError(f"Megatron layout lacks tensors the mapping expects: {missing}")
         bar = _Progress(len(mapping.maps), "hf-to-megatron", progress)
 
+        rows = {e.name: e.param_shape[0] for e in entries if e.name in VOCAB_TENSORS}
+
         def produce(name: str) -> torch.Tensor:
             m = mapping.by_megatron[name]
             try:
@@ -224,7 +250,8 @@ def hf_to_megatron(
             except SafetensorsError as e:
                 raise ConversionError(str(e)) from e
             bar.update()
-            return tensor
+            # Megatron's vocabulary padding of the single-rank layout (zeros: never read).
+            return pad_rows(tensor, rows[name]) if name in rows else tensor
 
         try:
             write_checkpoint(tmp, entries, produce)
@@ -267,7 +294,12 @@ def megatron_to_hf(
     """
     import json
 
-    from megatron_gspo.weights.dist_ckpt import checkpoint_layout, read_tensors
+    from megatron_gspo.weights.dist_ckpt import (
+        VOCAB_TENSORS,
+        checkpoint_layout,
+        read_tensors,
+        with_saved_vocab,
+    )
 
     src, dst = Path(src), Path(dst)
     if not (src / "metadata.json").is_file():
@@ -286,7 +318,7 @@ def megatron_to_hf(
     with _atomic_dir(dst) as tmp:
         if tokenizer_from is not None:
             _copy_tokenizer(Path(tokenizer_from), tmp)
-        entries = checkpoint_layout(cfg)
+        entries = with_saved_vocab(src, checkpoint_layout(cfg))
         groups: dict[int | None | str, list] = {}
         for e in entries:
             m = mapping.by_megatron.get(e.name)
@@ -295,15 +327,22 @@ def megatron_to_hf(
             # Embedding first, then layers in order, then final norm and output layer.
             key = "head" if m.layer is None and m.megatron != mapping.maps[0].megatron else m.layer
             groups.setdefault(key, []).append(e)
-        plan = [(h, mapping.hf_shapes[h], dtype) for m in mapping.maps for h in m.hf]
+        plan = [
+            (h, mapping.hf_shapes[h], mapping.hf_dtype(h, dtype))
+            for m in mapping.maps
+            for h in m.hf
+        ]
         writer = ShardedSafetensorsWriter(tmp, plan, max_shard_size)
         bar = _Progress(len(plan), "megatron-to-hf", progress)
         try:
             for group in groups.values():
-                fulls = read_tensors(src, group, dtype=dtype)
+                fulls = read_tensors(src, group)
                 for m in mapping.maps:
                     if m.megatron in fulls:
-                        for name, tensor in mapping.to_hf(m.megatron, fulls.pop(m.megatron)):
+                        full = fulls.pop(m.megatron)
+                        if m.megatron in VOCAB_TENSORS:
+                            full = full[: cfg.vocab_size]
+                        for name, tensor in mapping.to_hf(m.megatron, full):
                             writer.write(name, tensor)
                             bar.update()
             writer.close()
@@ -322,7 +361,10 @@ def megatron_to_hf(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-gspo convert",
-        description="Convert checkpoints between Hugging Face Qwen3/Qwen3-MoE and Megatron-Core.",
+        description=(
+            "Convert checkpoints between Hugging Face (Qwen3, Qwen3-MoE, DeepSeek-V3) and "
+            "Megatron-Core."
+        ),
     )
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint")

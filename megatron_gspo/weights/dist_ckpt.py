@@ -23,6 +23,10 @@ save, not to hold it. So:
 
 Both directions need Megatron's parallel state in the single-rank layout; :func:`single_rank`
 sets up a world of one when nothing is initialized.
+
+The embedding and output layer are saved with the vocabulary rows of the layout that saved them
+(Megatron pads the vocabulary to a multiple of TP): :func:`with_saved_vocab` reads them as
+saved, and :func:`load_model_weights` loads a checkpoint into a model of any layout.
 """
 
 from __future__ import annotations
@@ -57,10 +61,15 @@ from megatron_gspo.config import ModelConfig, ParallelConfig
 __all__ = [
     "CheckpointEntry",
     "checkpoint_layout",
+    "load_model_weights",
     "read_tensors",
     "single_rank",
+    "with_saved_vocab",
     "write_checkpoint",
 ]
+
+# The vocabulary-parallel tensors: saved with the rows the saving layout padded them to.
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # What Megatron's loader reads to pick its strategy, and the file with non-sharded state.
 _BACKEND = ("torch_dist", 1)
@@ -257,3 +266,59 @@ def read_tensors(
     # A subset of the tensors does not cover each global tensor: skip the coverage check.
     dist_checkpointing.load(sharded, str(directory), validate_access_integrity=False)
     return fulls
+
+
+def _saved_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    meta = dist_checkpointing.load_tensors_metadata(str(directory))
+    return {k: tuple(v.global_shape) for k, v in meta.items() if isinstance(v, ShardedTensor)}
+
+
+def with_saved_vocab(
+    directory: str | Path, entries: list[CheckpointEntry]
+) -> list[CheckpointEntry]:
+    """``entries`` (of the single-rank layout) with the vocabulary rows the checkpoint in
+    ``directory`` was saved with."""
+    saved = _saved_shapes(directory)
+    out = []
+    for e in entries:
+        st = e.item
+        if e.name in VOCAB_TENSORS and isinstance(st, ShardedTensor) and st.key in saved:
+            shape = saved[st.key]
+            if shape != tuple(st.global_shape):
+                e = dataclasses.replace(
+                    e, item=dataclasses.replace(st, global_shape=shape, local_shape=shape)
+                )
+        out.append(e)
+    return out
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load a checkpoint's model weights (saved in any layout) into this rank's ``model``.
+
+    Megatron's loader reshards everything but a vocabulary padded to another size; those two
+    tensors are read whole, cut to the tokenizer's rows and sliced into this rank's shard.
+    """
+    from megatron_gspo.weights.shards import shard_infos, slice_full, weight_tensors
+
+    sharded = model.sharded_state_dict()
+    saved = _saved_shapes(directory)
+    vocab = {}
+    for key, st in list(sharded.items()):
+        if (
+            isinstance(st, ShardedTensor)
+            and st.key in VOCAB_TENSORS
+            and st.key in saved
+            and saved[st.key] != tuple(st.global_shape)
+        ):
+            vocab[key] = sharded.pop(key)
+    state = dist_checkpointing.load(sharded, str(directory))
+    model.load_state_dict(state, strict=not vocab)
+    if not vocab:
+        return
+    infos, weights = shard_infos(model), weight_tensors(model)
+    for key, st in vocab.items():
+        whole = torch.empty(saved[st.key], dtype=st.dtype)
+        request = {key: ShardedTensor.from_rank_offsets(st.key, whole, replica_id=0)}
+        dist_checkpointing.load(request, str(directory), validate_access_integrity=False)
+        with torch.no_grad():
+            weights[key].copy_(slice_full(whole[: model.vocab_size_unpadded], infos[key]))

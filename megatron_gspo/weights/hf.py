@@ -1,4 +1,5 @@
-"""The one mapping between Hugging Face Qwen3 / Qwen3-MoE tensors and full Megatron tensors.
+"""The one mapping between Hugging Face tensors (Qwen3, Qwen3-MoE, DeepSeek-V3) and full
+Megatron tensors.
 
 "Full" Megatron means the names and shapes of our ``GPTModel`` built with TP=PP=EP=1 (see
 :mod:`megatron_gspo.weights.shards` for the step from there to a parallel rank). Conversion,
@@ -14,7 +15,13 @@ Layouts that differ between the two sides:
   In HF query head ``h`` attends with key/value head ``h // heads_per_group``.
 * ``linear_fc1`` stacks SwiGLU's ``[gate; up]`` (Megatron applies ``silu`` to the first half).
 * Everything else is a rename. ``post_attention_layernorm`` is the norm before the MLP
-  (Megatron's ``pre_mlp_layernorm``); HF's MoE router is ``mlp.gate``.
+  (Megatron's ``pre_mlp_layernorm``); HF's MoE router is ``mlp.gate``. Multi-latent
+  attention (``q_a_proj`` -> ``linear_q_down_proj``, ``q_a_layernorm`` -> ``q_layernorm``,
+  ``q_b_proj`` -> ``linear_q_up_proj``, ``kv_a_proj_with_mqa`` -> ``linear_kv_down_proj``,
+  ``kv_a_layernorm`` -> ``kv_layernorm``, ``kv_b_proj`` -> ``linear_kv_up_proj``) is copied
+  as is: HF's ``rope_interleave: true`` rows are in the order Megatron's MLA reads. DeepSeek's
+  ``mlp.gate.e_score_correction_bias`` is the router's ``expert_bias`` (a buffer, in fp32)
+  and its ``shared_experts`` a SwiGLU MLP like the others.
 
 On the HF side this module speaks the per-expert layout that ``save_pretrained`` of
 transformers 5.x writes to safetensors (and 4.x wrote): ``mlp.experts.{e}.gate_proj.weight``,
@@ -54,47 +61,150 @@ class TensorMap:
     kind: Kind
     # Layer index, or None for embeddings, final norm and output layer: readers load by layer.
     layer: int | None
+    # The shape of each HF tensor (the Megatron tensor stacks them along dim 0).
+    hf_shapes: tuple[tuple[int, ...], ...] = ()
+    # Kept in fp32 whatever the model's dtype (DeepSeek-V3's expert-score correction bias).
+    fp32: bool = False
 
 
-def _layer_maps(cfg: ModelConfig, i: int) -> list[TensorMap]:
-    m, h = f"decoder.layers.{i}", f"model.layers.{i}"
-    maps = [
-        TensorMap(f"{m}.input_layernorm.weight", (f"{h}.input_layernorm.weight",), "copy", i),
+def _attention_maps(cfg: ModelConfig, m: str, h: str, i: int) -> list[TensorMap]:
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.mla is not None:
+        return _mla_maps(cfg, m, h, i)
+    d, groups = cfg.head_dim, cfg.num_query_groups
+    return [
         TensorMap(
             f"{m}.self_attention.linear_qkv.weight",
             tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv"),
             "qkv",
             i,
+            ((heads * d, hidden), (groups * d, hidden), (groups * d, hidden)),
         ),
         TensorMap(
-            f"{m}.self_attention.linear_proj.weight", (f"{h}.self_attn.o_proj.weight",), "copy", i
+            f"{m}.self_attention.linear_proj.weight",
+            (f"{h}.self_attn.o_proj.weight",),
+            "copy",
+            i,
+            ((hidden, heads * d),),
         ),
         TensorMap(
-            f"{m}.self_attention.q_layernorm.weight", (f"{h}.self_attn.q_norm.weight",), "copy", i
+            f"{m}.self_attention.q_layernorm.weight",
+            (f"{h}.self_attn.q_norm.weight",),
+            "copy",
+            i,
+            ((d,),),
         ),
         TensorMap(
-            f"{m}.self_attention.k_layernorm.weight", (f"{h}.self_attn.k_norm.weight",), "copy", i
-        ),
-        TensorMap(
-            f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",), "copy", i
+            f"{m}.self_attention.k_layernorm.weight",
+            (f"{h}.self_attn.k_norm.weight",),
+            "copy",
+            i,
+            ((d,),),
         ),
     ]
-    if cfg.is_moe:
-        maps.append(TensorMap(f"{m}.mlp.router.weight", (f"{h}.mlp.gate.weight",), "copy", i))
-        for e in range(cfg.num_experts):
-            me, he = f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}"
-            maps += _mlp_maps(me, he, i)
+
+
+def _mla_maps(cfg: ModelConfig, m: str, h: str, i: int) -> list[TensorMap]:
+    """Multi-latent attention: plain copies (HF's rope_interleave layout is Megatron's)."""
+    mla, hidden, heads = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    q_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    a, b = f"{m}.self_attention", f"{h}.self_attn"
+    pairs = []
+    if mla.q_lora_rank is None:
+        pairs.append(("linear_q_proj", "q_proj", (heads * q_head, hidden)))
     else:
-        maps += _mlp_maps(f"{m}.mlp", f"{h}.mlp", i)
+        pairs += [
+            ("linear_q_down_proj", "q_a_proj", (mla.q_lora_rank, hidden)),
+            ("q_layernorm", "q_a_layernorm", (mla.q_lora_rank,)),
+            ("linear_q_up_proj", "q_b_proj", (heads * q_head, mla.q_lora_rank)),
+        ]
+    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    pairs += [
+        (
+            "linear_kv_down_proj",
+            "kv_a_proj_with_mqa",
+            (mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
+        ),
+        ("kv_layernorm", "kv_a_layernorm", (mla.kv_lora_rank,)),
+        ("linear_kv_up_proj", "kv_b_proj", (kv_up, mla.kv_lora_rank)),
+        ("linear_proj", "o_proj", (hidden, heads * mla.v_head_dim)),
+    ]
+    return [
+        TensorMap(f"{a}.{ours}.weight", (f"{b}.{theirs}.weight",), "copy", i, (shape,))
+        for ours, theirs, shape in pairs
+    ]
+
+
+def _layer_maps(cfg: ModelConfig, i: int) -> list[TensorMap]:
+    m, h = f"decoder.layers.{i}", f"model.layers.{i}"
+    hidden = cfg.hidden_size
+    maps = [
+        TensorMap(
+            f"{m}.input_layernorm.weight",
+            (f"{h}.input_layernorm.weight",),
+            "copy",
+            i,
+            ((hidden,),),
+        ),
+        *_attention_maps(cfg, m, h, i),
+        TensorMap(
+            f"{m}.pre_mlp_layernorm.weight",
+            (f"{h}.post_attention_layernorm.weight",),
+            "copy",
+            i,
+            ((hidden,),),
+        ),
+    ]
+    if i not in cfg.moe_layers:
+        return maps + _mlp_maps(f"{m}.mlp", f"{h}.mlp", i, hidden, cfg.ffn_hidden_size)
+    experts = cfg.num_experts
+    maps.append(
+        TensorMap(
+            f"{m}.mlp.router.weight", (f"{h}.mlp.gate.weight",), "copy", i, ((experts, hidden),)
+        )
+    )
+    if cfg.moe_router_expert_bias:
+        maps.append(
+            TensorMap(
+                f"{m}.mlp.router.expert_bias",
+                (f"{h}.mlp.gate.e_score_correction_bias",),
+                "copy",
+                i,
+                ((experts,),),
+                fp32=True,
+            )
+        )
+    for e in range(experts):
+        maps += _mlp_maps(
+            f"{m}.mlp.experts.local_experts.{e}",
+            f"{h}.mlp.experts.{e}",
+            i,
+            hidden,
+            cfg.moe_ffn_hidden_size,
+        )
+    if cfg.moe_shared_expert_intermediate_size:
+        maps += _mlp_maps(
+            f"{m}.mlp.shared_experts",
+            f"{h}.mlp.shared_experts",
+            i,
+            hidden,
+            cfg.moe_shared_expert_intermediate_size,
+        )
     return maps
 
 
-def _mlp_maps(m: str, h: str, i: int) -> list[TensorMap]:
+def _mlp_maps(m: str, h: str, i: int, hidden: int, ffn: int) -> list[TensorMap]:
     return [
         TensorMap(
-            f"{m}.linear_fc1.weight", (f"{h}.gate_proj.weight", f"{h}.up_proj.weight"), "gate_up", i
+            f"{m}.linear_fc1.weight",
+            (f"{h}.gate_proj.weight", f"{h}.up_proj.weight"),
+            "gate_up",
+            i,
+            ((ffn, hidden), (ffn, hidden)),
         ),
-        TensorMap(f"{m}.linear_fc2.weight", (f"{h}.down_proj.weight",), "copy", i),
+        TensorMap(
+            f"{m}.linear_fc2.weight", (f"{h}.down_proj.weight",), "copy", i, ((hidden, ffn),)
+        ),
     ]
 
 
@@ -102,7 +212,9 @@ class HFMapping:
     """Names, shapes and layout transforms of one model configuration.
 
     Pure: no I/O, no process groups. Build one per configuration and reuse it (the name tables
-    are computed once).
+    are computed once). Full tensors hold the tokenizer's vocabulary only: the rows Megatron
+    pads it with (``ModelConfig.padded_vocab_size``) are added and removed where a model or
+    checkpoint is read or written (:mod:`megatron_gspo.weights.shards`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -112,18 +224,29 @@ class HFMapping:
     def maps(self) -> list[TensorMap]:
         """Every full Megatron tensor in model order (embedding, layer 0, ..., output)."""
         cfg = self.cfg
+        vocab = ((cfg.vocab_size, cfg.hidden_size),)
         maps = [
             TensorMap(
-                "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", None
+                "embedding.word_embeddings.weight",
+                ("model.embed_tokens.weight",),
+                "copy",
+                None,
+                vocab,
             )
         ]
         for i in range(cfg.num_layers):
             maps += _layer_maps(cfg, i)
         maps.append(
-            TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None)
+            TensorMap(
+                "decoder.final_layernorm.weight",
+                ("model.norm.weight",),
+                "copy",
+                None,
+                ((cfg.hidden_size,),),
+            )
         )
         if cfg.untie_embeddings_and_output_weights:
-            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "copy", None))
+            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "copy", None, vocab))
         return maps
 
     @cached_property
@@ -137,43 +260,18 @@ class HFMapping:
     @cached_property
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape every HF tensor must have, in model order."""
-        c = self.cfg
-        hidden, d = c.hidden_size, c.head_dim
-        shapes: dict[str, tuple[int, ...]] = {}
-        suffix_shapes = {
-            "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (c.num_attention_heads * d, hidden),
-            "self_attn.k_proj.weight": (c.num_query_groups * d, hidden),
-            "self_attn.v_proj.weight": (c.num_query_groups * d, hidden),
-            "self_attn.o_proj.weight": (hidden, c.num_attention_heads * d),
-            "self_attn.q_norm.weight": (d,),
-            "self_attn.k_norm.weight": (d,),
-            "mlp.gate.weight": (c.num_experts or 0, hidden),
-        }
-        ffn = c.moe_ffn_hidden_size if c.is_moe else c.ffn_hidden_size
-        for m in self.maps:
-            for name in m.hf:
-                if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                    shapes[name] = (c.vocab_size, hidden)
-                elif name == "model.norm.weight":
-                    shapes[name] = (hidden,)
-                elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-                    shapes[name] = (ffn, hidden)
-                elif name.endswith("down_proj.weight"):
-                    shapes[name] = (hidden, ffn)
-                else:
-                    shapes[name] = suffix_shapes[name.split(".", 3)[3]]
-        return shapes
+        return {h: shape for m in self.maps for h, shape in zip(m.hf, m.hf_shapes, strict=True)}
 
     @cached_property
     def megatron_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of every full Megatron tensor."""
-        out = {}
-        for m in self.maps:
-            shapes = [self.hf_shapes[h] for h in m.hf]
-            out[m.megatron] = (sum(s[0] for s in shapes), *shapes[0][1:])
-        return out
+        return {
+            m.megatron: (sum(s[0] for s in m.hf_shapes), *m.hf_shapes[0][1:]) for m in self.maps
+        }
+
+    def hf_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype HF tensor ``name`` has in a checkpoint of a model in ``dtype``."""
+        return torch.float32 if self.by_hf[name].fp32 else dtype
 
     # -- layout transforms ------------------------------------------------------------------
 

@@ -1,9 +1,14 @@
 """Where each tensor of a parallel Megatron model sits in the single-rank ("full") model.
 
-A full state dict uses the names and shapes of the same model built with TP=PP=EP=1. This
-module maps a rank's local parameter names to full names (pipeline layer offset, global expert
-index) and slices full tensors into the rank's shard (tensor and expert-tensor parallelism,
-including the fused ``[gate; up]`` layout of SwiGLU's ``linear_fc1``). Gathering is the inverse.
+A full state dict uses the names and shapes of the same model built with TP=PP=EP=1, except
+that the embedding and output layer hold the tokenizer's vocabulary only: the rows Megatron
+pads it with depend on TP (``ModelConfig.padded_vocab_size``), so they are added when a full
+tensor is sliced into a shard (as zeros: nothing reads them) and dropped when shards are
+gathered. This module maps a rank's local weight names to full names (pipeline layer offset,
+global expert index) and slices full tensors into the rank's shard (tensor and expert-tensor
+parallelism, including the fused ``[gate; up]`` layout of SwiGLU's ``linear_fc1``). Gathering
+is the inverse. The weights are the parameters and the router's ``expert_bias`` buffer (aux-
+loss-free balancing moves it outside the optimizer, and it is part of the model).
 """
 
 from __future__ import annotations
@@ -32,10 +37,32 @@ class ShardInfo:
     # SwiGLU's linear_fc1 stacks [gate; up]; each TP shard is [gate_r; up_r].
     gated: bool
     is_expert: bool
+    # Embedding and output layer: the full tensor's rows (the tokenizer's vocabulary) and the
+    # model's (padded for TP); None for other tensors.
+    vocab: tuple[int, int] | None = None
+
+
+_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# Buffers that are weights: Megatron updates them outside the optimizer, checkpoints keep them.
+_WEIGHT_BUFFERS = ("router.expert_bias",)
+
+
+def weight_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights by local name: its parameters and weight buffers."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith(_WEIGHT_BUFFERS))
+    return out
 
 
 def _layer_offset(model: torch.nn.Module) -> int:
     return get_transformer_layer_offset(model.config)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    pad = tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])
+    return torch.cat([tensor, pad])
 
 
 def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
@@ -45,7 +72,7 @@ def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
     num_local_experts = (config.num_moe_experts or 0) // config.expert_model_parallel_size
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     infos: dict[str, ShardInfo] = {}
-    for name, param in model.named_parameters():
+    for name, param in weight_tensors(model).items():
         full = name
         m = _LAYER.match(full)
         if m:
@@ -61,6 +88,9 @@ def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
         split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        vocab = None
+        if full in _VOCAB_TENSORS:
+            vocab = (model.vocab_size_unpadded, model.vocab_size)
         infos[name] = ShardInfo(
             full_name=full,
             partition_dim=param.partition_dim if split else None,
@@ -68,12 +98,15 @@ def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
             tp_size=tp_size,
             gated=config.gated_linear_unit and name.endswith("linear_fc1.weight"),
             is_expert=is_expert,
+            vocab=vocab,
         )
     return infos
 
 
 def slice_full(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """This rank's shard of a full tensor."""
+    if info.vocab is not None:
+        tensor = pad_rows(tensor, info.vocab[1])
     if info.partition_dim is None:
         return tensor
     dim, r, n = info.partition_dim, info.tp_rank, info.tp_size
@@ -85,7 +118,7 @@ def slice_full(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 
 def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copy this rank's shards of ``full`` (single-rank names and shapes) into ``model``."""
-    params = dict(model.named_parameters())
+    params = weight_tensors(model)
     for name, info in shard_infos(model).items():
         if info.full_name not in full:
             raise KeyError(f"full state dict has no tensor '{info.full_name}' (for '{name}')")
@@ -108,8 +141,11 @@ def _tp_group(info: ShardInfo) -> dist.ProcessGroup:
 def unshard_tp(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     """The full tensor from this rank's (expert-)tensor-parallel shard; collective over that
     group, and the inverse of :func:`slice_full`."""
-    if info.partition_dim is None:
-        return local
+    full = local if info.partition_dim is None else _gather_tp(local, info)
+    return full if info.vocab is None else full[: info.vocab[0]]
+
+
+def _gather_tp(local: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(info.tp_size)]
     dist.all_gather(parts, local.contiguous(), group=_tp_group(info))
     dim = info.partition_dim
@@ -129,7 +165,7 @@ def gather_full_state_dict(
     """
     infos = shard_infos(model)
     local: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in weight_tensors(model).items():
         info = infos[name]
         # Megatron's DDP accumulates into main_grad; plain modules into grad.
         value = getattr(param, "main_grad", param.grad) if grads else param.data

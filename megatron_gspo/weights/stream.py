@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.weights.hf import HFMapping
-from megatron_gspo.weights.shards import shard_infos, unshard_tp
+from megatron_gspo.weights.shards import shard_infos, unshard_tp, weight_tensors
 
 __all__ = ["iter_full_tensors"]
 
@@ -39,7 +39,7 @@ def iter_full_tensors(
     the same tensor). Tensors on ``dst`` live on its parameters' device.
     """
     infos = shard_infos(model)
-    params = dict(model.named_parameters())
+    params = weight_tensors(model)
     local = {info.full_name: (params[name], info) for name, info in infos.items()}
     rank = dist.get_rank()
     held: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -68,8 +68,7 @@ def iter_full_tensors(
         elif rank == src:
             dist.send(full.contiguous(), dst=dst)
         elif rank == dst:
-            buf = torch.empty(
-                mapping.megatron_shapes[name], dtype=model.config.params_dtype, device=device
-            )
+            dtype = torch.float32 if m.fp32 else model.config.params_dtype
+            buf = torch.empty(mapping.megatron_shapes[name], dtype=dtype, device=device)
             dist.recv(buf, src=src)
             yield name, buf

@@ -186,6 +186,7 @@ class VLLMEngine:
                 self._sync = CollectiveSync(
                     self.client,
                     mapping.hf_shapes,
+                    fp32={h for h in mapping.hf_shapes if mapping.by_hf[h].fp32},
                     bucket_bytes=int(self.config.bucket_mb * 2**20),
                     timeout_s=self.config.sync_timeout_s,
                     host=sync_host(self.config.sync_host),

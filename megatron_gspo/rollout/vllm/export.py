@@ -36,11 +36,11 @@ def write_hf_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        planned = [(name, shape, dtype) for name, shape in mapping.hf_shapes.items()]
+        planned = [(h, shape, mapping.hf_dtype(h, dtype)) for h, shape in mapping.hf_shapes.items()]
         writer = ShardedSafetensorsWriter(tmp, planned, max_shard_size=4 << 30)
         try:
             for name, tensor in hf_tensors:
-                writer.write(name, tensor.to(device="cpu", dtype=dtype))
+                writer.write(name, tensor.to(device="cpu", dtype=mapping.hf_dtype(name, dtype)))
             writer.close()
         except BaseException:
             writer.abort()

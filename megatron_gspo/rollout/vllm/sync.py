@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -128,6 +128,7 @@ class CollectiveSync:
         client: VLLMClient,
         hf_shapes: dict[str, tuple[int, ...]],
         *,
+        fp32: Collection[str] = (),
         bucket_bytes: int,
         timeout_s: float,
         host: str,
@@ -135,6 +136,7 @@ class CollectiveSync:
     ) -> None:
         self.client = client
         self.hf_shapes = hf_shapes
+        self.fp32 = frozenset(fp32)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.host = host
@@ -153,7 +155,9 @@ class CollectiveSync:
                 f"{sorted(DTYPES)} shared by all"
             )
         self.dtype = DTYPES[dtypes.pop()]
-        manifest = plan_manifest(self.hf_shapes.items(), self.dtype, self.bucket_bytes)
+        manifest = plan_manifest(
+            self.hf_shapes.items(), self.dtype, self.bucket_bytes, fp32=self.fp32
+        )
         for url, workers in described.items():
             check_manifest(manifest, workers[0]["tensors"], url)
         offsets, size = {}, 1

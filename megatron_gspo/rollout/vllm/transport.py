@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,15 +104,20 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def plan_manifest(
-    tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int
+    tensors: Iterable[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    fp32: Collection[str] = (),
 ) -> Manifest:
-    """Pack ``(name, shape)`` in order into buckets of at most ``bucket_bytes``."""
-    name = dtype_name(dtype)
-    item = dtype.itemsize
+    """Pack ``(name, shape)`` in order into buckets of at most ``bucket_bytes``; every tensor
+    in ``dtype`` but those named in ``fp32`` (kept in fp32 whatever the model's dtype)."""
     buckets: list[list[TensorEntry]] = [[]]
     sizes = [0]
     for tensor_name, shape in tensors:
-        n = item
+        own = torch.float32 if tensor_name in fp32 else dtype
+        name = dtype_name(own)
+        n = own.itemsize
         for s in shape:
             n *= s
         offset = _round_up(sizes[-1], ALIGN)
