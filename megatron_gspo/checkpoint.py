@@ -178,8 +178,6 @@ def current_layout(policy: Policy) -> dict[str, int]:
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         "distributed_optimizer": int(policy.recipe.memory.use_distributed_optimizer),
-        # Megatron pads the vocabulary for TP; the embedding's rows cannot change on resume.
-        "padded_vocab_size": policy.model.vocab_size,
     }
 
 
@@ -331,6 +329,9 @@ class Checkpointer:
                 "format": 1,
                 "step": step,
                 "layout": current_layout(self.policy),
+                # Megatron pads the vocabulary for TP; the embedding's rows cannot change on
+                # resume.
+                "padded_vocab_size": self.policy.model.vocab_size,
                 "files": {k: v for part in parts for k, v in sorted(part.items())},
             }
             (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -356,13 +357,13 @@ class Checkpointer:
         if resharded:
             log.info("resharding %s: saved as %s, loading as %s", path, saved_layout,
                      current_layout(self.policy))  # fmt: skip
-        saved_vocab = (saved_layout or {}).get("padded_vocab_size")
+        saved_vocab = (manifest or {}).get("padded_vocab_size")
         if saved_vocab is not None and saved_vocab != self.policy.model.vocab_size:
             raise CheckpointError(
                 f"checkpoint {path} holds the vocabulary padded to {saved_vocab} rows, this "
                 f"layout pads it to {self.policy.model.vocab_size}: resume with the saved "
-                "tensor_model_parallel_size, or set model.make_vocab_size_divisible_by so that "
-                "both layouts pad alike (a new run; run.init_from loads any padding)"
+                "tensor_model_parallel_size (a new run on this layout can start from the "
+                "checkpoint's weights with run.init_from, which loads any padding)"
             )
         _init_optimizer_state(self.policy)
         _keep_torch_adam_step(self.policy)

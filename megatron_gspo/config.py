@@ -57,8 +57,8 @@ class ModelConfig(_Section):
     head_dim: int
     # The tokenizer's vocabulary; the model's rows are padded up to a multiple of
     # make_vocab_size_divisible_by x TP (Megatron's rule), and padded ids are never sampled nor
-    # scored. 1 pads only where TP does not divide the vocabulary; a checkpoint resumes on
-    # another TP size only where both pad to the same size (128 covers TP up to 128).
+    # scored. 1 pads only where TP does not divide the vocabulary. A run's checkpoint resumes
+    # on another TP size where both pad to the same rows; run.init_from loads any padding.
     vocab_size: int
     make_vocab_size_divisible_by: int = 1
     max_seq_length: int = 2048

@@ -335,12 +335,18 @@ class GSPOTrainer:
         return int((kept > 0).sum()), stats
 
     def _router_routes(self, mb: MicroBatch) -> list[torch.Tensor] | None:
-        """The micro-batch's rollout routes as this stage's routers see its tokens."""
-        if mb.routes is None or self.policy.router_stats is None:
+        """The micro-batch's rollout routes as this stage's routers see its tokens (filler
+        routes for a filler micro-batch under rollout replay, which still routes)."""
+        routes = mb.routes
+        if routes is None and self.replay == "rollout":
+            model = self.recipe.model
+            filler = torch.arange(model.moe_router_topk, dtype=torch.int16)
+            routes = filler.expand(*mb.tokens.shape, len(model.moe_layers), len(filler))
+        if routes is None or self.policy.router_stats is None:
             return None
         parallel = self.recipe.parallel
         return routes_for_routers(
-            mb.routes,
+            routes,
             self.policy.router_stats.layer_index,
             sequence_parallel=parallel.sequence_parallel,
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -361,7 +367,9 @@ class GSPOTrainer:
             m_idx, mb = next(data_iterator)
             key = (p_idx, m_idx)
             if stats is not None:
-                rollout = self._router_routes(mb)
+                rollout = None
+                if self.replay == "rollout" or mismatch:
+                    rollout = self._router_routes(mb)
                 if self.replay == "old_policy":
                     set_replay(RouterReplayAction.REPLAY_FORWARD, stats.recorded_indices(key))
                 elif self.replay == "rollout":

@@ -231,6 +231,10 @@ def replay_single_rank():
         pytest.param({"expert_model_parallel_size": 2}, 2, id="ep2-dp2"),
         pytest.param({"pipeline_model_parallel_size": 2}, 2, id="pp2"),
         pytest.param({"context_parallel_size": 2}, 2, id="cp2"),
+        # A 24-token budget gives one rank a filler micro-batch, which routes too.
+        pytest.param(
+            {"expert_model_parallel_size": 2, "micro_batch_tokens": 24}, 2, id="ep2-dp2-filler"
+        ),
     ],
 )
 def test_rollout_replay_under_each_layout_equals_single_rank(replay_single_rank, parallel, world):
@@ -238,6 +242,9 @@ def test_rollout_replay_under_each_layout_equals_single_rank(replay_single_rank,
     layer anywhere changes the loss and the update."""
     recipe, samples, ref, ref_weights, start = replay_single_rank
     data = recipe.model_dump()
+    parallel = dict(parallel)
+    if "micro_batch_tokens" in parallel:
+        data["train"]["micro_batch_tokens"] = parallel.pop("micro_batch_tokens")
     data["parallel"].update(parallel)
     metrics, _, weights = run_distributed(
         _step, world, Recipe.model_validate(data), samples, 2, start

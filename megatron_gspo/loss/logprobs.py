@@ -150,7 +150,8 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_entropy = None
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
-        grad_padded = torch.zeros_like(padded_logits)
+        grad_padded = torch.empty_like(padded_logits)
+        grad_padded[:, ctx.real :] = 0  # the vocabulary padding takes no gradient
         if not ctx.real:
             return grad_padded, None, None, None, None, None
         logits = padded_logits[:, : ctx.real]

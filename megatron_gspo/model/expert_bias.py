@@ -17,7 +17,8 @@ __all__ = ["count_expert_tokens_without_padding"]
 
 
 def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
-    # Only training forwards count: not evaluation, nor a recompute in backward.
+    # Only forwards with gradients count (training, and its recompute in backward, which
+    # doubles every count alike: the update goes by their signs against the mean).
     if self.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:

@@ -82,7 +82,7 @@ def full_vocab_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
         forward_only=True,
     )
     vocab = model.vocab_size_unpadded
-    logits = out[0][:, :s, :vocab] if out else torch.empty(b, s, vocab)
+    logits = out[0][:, :s, :vocab].contiguous() if out else torch.empty(b, s, vocab)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(logits, src=last, group=parallel_state.get_pipeline_model_parallel_group())

@@ -37,7 +37,9 @@ class RouterStats:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.num_experts = self.routers[0].config.num_moe_experts if self.routers else 0
+        # From the model's config: a pipeline stage of dense layers has no router to ask, and
+        # the counts are reduced over every stage.
+        self.num_experts = model.config.num_moe_experts or 0
         self.layer_index = moe_layer_index(self.routers)
         # The model's MoE layers (0-based), on every stage.
         self.moe_layer_numbers = moe_layers(model.config)

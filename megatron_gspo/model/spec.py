@@ -58,9 +58,10 @@ def decoder_block_spec(
     )
     if use_te:
         return block
-    # Megatron's MLA imports its Transformer Engine wrappers from a module that stands in
-    # mocks when TE is missing, so it believes TE is there and refuses every local linear.
-    multi_latent_attention.HAVE_TE = False
+    if not transformer_engine_available():
+        # Megatron's MLA imports its Transformer Engine wrappers from a module that stands in
+        # mocks when TE is missing, so it believes TE is there and refuses every local linear.
+        multi_latent_attention.HAVE_TE = False
     return TransformerBlockSubmodules(
         layer_specs=[_local(s, latent_norm_epsilon) for s in block.layer_specs],
         layer_norm=RMSNorm,

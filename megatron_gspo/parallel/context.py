@@ -10,7 +10,8 @@ a padded ``[b, s]`` batch splits each row as one sequence.
 Everything that needs to know where a CP rank's tokens sit in the full sequence asks
 :func:`cp_token_index`: the micro-batch split here, the attention that gathers keys and
 values over the CP group (:mod:`megatron_gspo.model.attention`), and :func:`gather_tokens`,
-which puts per-token results (log-probs, entropy, routes) back into the full layout.
+which puts per-token results back into the full layout where one needs them whole (the tests
+do; the training step's own metrics sum over CP ranks instead and need no gather).
 """
 
 from __future__ import annotations

@@ -86,6 +86,22 @@ class LocalEngine:
         return logits[..., : self.model.vocab_size_unpadded]
 
     def _generate_batch(self, prompts: list[list[int]], params, generator) -> list[Completion]:
+        recorder = self._route_recorder() if params.return_routes else None
+        if recorder is None:
+            return self._completions(*self._decode(prompts, params, generator), None)
+        recorder.start()
+        try:
+            decoded = self._decode(prompts, params, generator)
+        finally:
+            forwards = recorder.stop()
+        # A prefill over the prompts, then each forward adds the position it decoded (the
+        # last one, where the forward recomputes the whole sequence).
+        routes = torch.cat([forwards[0], *(f[:, -1:] for f in forwards[1:])], dim=1)
+        return self._completions(*decoded, routes)
+
+    def _decode(self, prompts: list[list[int]], params, generator):
+        """Sample every prompt's response: (tokens, left padding, prompt width, log-probs,
+        lengths, finished)."""
         n, width = len(prompts), max(len(p) for p in prompts)
         total = width + params.max_new_tokens
         pad = torch.tensor([width - len(p) for p in prompts])
@@ -98,9 +114,6 @@ class LocalEngine:
 
         ctx = StaticInferenceContext(n, total) if self.use_cache else None
         positions = torch.arange(total)[None].expand(n, total)
-        recorder = self._route_recorder() if params.return_routes else None
-        if recorder is not None:
-            recorder.start()
         logits = self._forward(
             tokens[:, :width],
             positions[:, :width],
@@ -141,14 +154,11 @@ class LocalEngine:
                     causal[None, None, :end, :end] | key_pad[:, None, None, :end],
                     None,
                 )[:, -1]
-        routes = None
-        if recorder is not None:
-            # A prefill over the prompts, then each forward adds the position it decoded (the
-            # last one, where the forward recomputes the whole sequence).
-            forwards = recorder.stop()
-            routes = torch.cat([forwards[0], *(f[:, -1:] for f in forwards[1:])], dim=1)
+        return tokens, pad, width, logprobs, lengths, done
+
+    def _completions(self, tokens, pad, width, logprobs, lengths, done, routes):
         completions = []
-        for i in range(n):
+        for i in range(tokens.shape[0]):
             k = int(lengths[i])
             completions.append(
                 Completion(

@@ -172,6 +172,8 @@ def _check_hf_tensors(
                 f"{src}: tensor {name!r} has shape {got}, the config implies {shape}"
             )
         want = mapping.hf_dtype(name, dtype)
+        if mapping.by_hf[name].fp32 and reader.dtype(name).is_floating_point:
+            continue  # kept in fp32 by the model, whatever precision the file holds
         if reader.dtype(name) != want:
             raise ConversionError(
                 f"{src}: tensor {name!r} is {reader.dtype(name)}, expected {want}"
@@ -217,8 +219,8 @@ def hf_to_megatron(
     ``tp``, ``pp`` and ``ep`` are the layout training will load it with; the checkpoint itself
     is layout-free, so they are only validated against the model.
     """
-    from megatron_gspo.weights.dist_ckpt import VOCAB_TENSORS, checkpoint_layout, write_checkpoint
-    from megatron_gspo.weights.shards import pad_rows
+    from megatron_gspo.weights.dist_ckpt import checkpoint_layout, write_checkpoint
+    from megatron_gspo.weights.shards import VOCAB_TENSORS, pad_rows
 
     src, dst = Path(src), Path(dst)
     try:
@@ -247,6 +249,8 @@ def hf_to_megatron(
             m = mapping.by_megatron[name]
             try:
                 tensor = mapping.to_megatron(m, (reader.get(h) for h in m.hf))
+                if m.fp32:
+                    tensor = tensor.float()
             except SafetensorsError as e:
                 raise ConversionError(str(e)) from e
             bar.update()
@@ -294,12 +298,8 @@ def megatron_to_hf(
     """
     import json
 
-    from megatron_gspo.weights.dist_ckpt import (
-        VOCAB_TENSORS,
-        checkpoint_layout,
-        read_tensors,
-        with_saved_vocab,
-    )
+    from megatron_gspo.weights.dist_ckpt import checkpoint_layout, read_tensors, with_saved_vocab
+    from megatron_gspo.weights.shards import VOCAB_TENSORS
 
     src, dst = Path(src), Path(dst)
     if not (src / "metadata.json").is_file():

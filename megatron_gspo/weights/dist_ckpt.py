@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from megatron_gspo.config import ModelConfig, ParallelConfig
+from megatron_gspo.weights.shards import VOCAB_TENSORS
 
 __all__ = [
     "CheckpointEntry",
@@ -68,8 +69,6 @@ __all__ = [
     "write_checkpoint",
 ]
 
-# The vocabulary-parallel tensors: saved with the rows the saving layout padded them to.
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # What Megatron's loader reads to pick its strategy, and the file with non-sharded state.
 _BACKEND = ("torch_dist", 1)
@@ -295,30 +294,41 @@ def with_saved_vocab(
 def load_model_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Load a checkpoint's model weights (saved in any layout) into this rank's ``model``.
 
-    Megatron's loader reshards everything but a vocabulary padded to another size; those two
-    tensors are read whole, cut to the tokenizer's rows and sliced into this rank's shard.
+    Megatron's loader reshards everything but a vocabulary padded to another size; then the
+    vocabulary tensors are read whole (by every rank, since the loader is collective), cut to
+    the tokenizer's rows and sliced into this rank's shard.
     """
+    saved = _saved_shapes(directory)
+    # Decided alike on every rank (stages without a vocabulary tensor included).
+    repad = any(saved[k][0] != model.vocab_size for k in VOCAB_TENSORS if k in saved)
+    sharded = model.sharded_state_dict()
+    vocab = {}
+    if repad:
+        vocab = {
+            key: sharded.pop(key)
+            for key, st in list(sharded.items())
+            if isinstance(st, ShardedTensor) and st.key in VOCAB_TENSORS
+        }
+    state = dist_checkpointing.load(sharded, str(directory))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - set(vocab) or unexpected:
+        raise KeyError(f"{directory}: missing {missing}, unexpected {unexpected}")
+    if repad:
+        _load_vocab(model, directory, saved, vocab)
+
+
+def _load_vocab(model, directory, saved, vocab: dict[str, ShardedTensor]) -> None:
     from megatron_gspo.weights.shards import shard_infos, slice_full, weight_tensors
 
-    sharded = model.sharded_state_dict()
-    saved = _saved_shapes(directory)
-    vocab = {}
-    for key, st in list(sharded.items()):
-        if (
-            isinstance(st, ShardedTensor)
-            and st.key in VOCAB_TENSORS
-            and st.key in saved
-            and saved[st.key] != tuple(st.global_shape)
-        ):
-            vocab[key] = sharded.pop(key)
-    state = dist_checkpointing.load(sharded, str(directory))
-    model.load_state_dict(state, strict=not vocab)
-    if not vocab:
-        return
+    wholes = {
+        k: torch.empty(saved[k], dtype=model.config.params_dtype)
+        for k in VOCAB_TENSORS
+        if k in saved
+    }
+    request = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in wholes.items()}
+    dist_checkpointing.load(request, str(directory), validate_access_integrity=False)
     infos, weights = shard_infos(model), weight_tensors(model)
-    for key, st in vocab.items():
-        whole = torch.empty(saved[st.key], dtype=st.dtype)
-        request = {key: ShardedTensor.from_rank_offsets(st.key, whole, replica_id=0)}
-        dist_checkpointing.load(request, str(directory), validate_access_integrity=False)
-        with torch.no_grad():
-            weights[key].copy_(slice_full(whole[: model.vocab_size_unpadded], infos[key]))
+    with torch.no_grad():
+        for key, st in vocab.items():
+            whole = wholes[st.key][: model.vocab_size_unpadded]
+            weights[key].copy_(slice_full(whole, infos[key]))

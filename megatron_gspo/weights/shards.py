@@ -42,7 +42,8 @@ class ShardInfo:
     vocab: tuple[int, int] | None = None
 
 
-_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# The vocabulary-parallel tensors, whose rows Megatron pads for TP.
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Buffers that are weights: Megatron updates them outside the optimizer, checkpoints keep them.
 _WEIGHT_BUFFERS = ("router.expert_bias",)
 
@@ -89,7 +90,7 @@ def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
         split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
         vocab = None
-        if full in _VOCAB_TENSORS:
+        if full in VOCAB_TENSORS:
             vocab = (model.vocab_size_unpadded, model.vocab_size)
         infos[name] = ShardInfo(
             full_name=full,
