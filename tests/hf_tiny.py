@@ -27,6 +27,17 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
+# The sizes both tiny MoE families share, so their tests exercise the same shapes.
+_TINY_MOE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
 def make_hf_moe(
     path: Path,
     seed: int = 0,
@@ -39,12 +50,7 @@ def make_hf_moe(
 
     cfg = Qwen3MoeConfig(
         **{
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "moe_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
+            **_TINY_MOE,
             "num_key_value_heads": 2,
             "head_dim": 16,
             "num_experts": 4,
@@ -72,12 +78,7 @@ def make_hf_deepseek(path: Path, seed: int = 2, **config) -> torch.nn.Module:
 
     cfg = DeepseekV3Config(
         **{
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "moe_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
+            **_TINY_MOE,
             "num_key_value_heads": 4,
             "q_lora_rank": 32,
             "kv_lora_rank": 16,
