@@ -239,6 +239,11 @@ class LossConfig(_Section):
     eps_high: float | None = None
     max_log_ratio: float = 20.0
     advantage_scale: Literal["std", "none"] = "std"
+    # Credit: "sequence" gives every token of an episode its group-normalised reward; "turn"
+    # gives each model turn its own advantage (group-normalised return-to-go per turn, from
+    # the environment's turn rewards), which GSPO-token and GRPO take per token. GSPO's
+    # objective has one advantage per sequence, so it refuses "turn".
+    advantage_level: Literal["sequence", "turn"] = "sequence"
     # KL penalty against a frozen reference policy (the initial weights), off as in the GSPO
     # paper: kl_coef * (1/N) sum_i mean_t k3, k3 = exp(ref - lp) - (ref - lp) - 1. The
     # reference is a second copy of the weights on every GPU (plan counts it) and is saved
@@ -249,6 +254,12 @@ class LossConfig(_Section):
     def _check_kl(self) -> LossConfig:
         if self.kl_coef < 0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.advantage_level == "turn" and self.name == "gspo":
+            raise ValueError(
+                "loss.advantage_level: turn needs per-token advantages, which GSPO's objective "
+                "does not have (one advantage per sequence); use loss.name: gspo_token (the "
+                "sequence ratio and clip, each token weighted by its turn's advantage) or grpo"
+            )
         return self
 
 
@@ -361,6 +372,31 @@ class DynamicSampling(_Section):
         return self
 
 
+class MultiTurnConfig(_Section):
+    """Episodes of several model turns with an environment answering each
+    (megatron_gspo.episodes)."""
+
+    # A built-in environment (relay_digits) or "package.module:attr" (a class or factory,
+    # called with env_kwargs in each environment worker).
+    env: str
+    env_kwargs: dict = {}
+    # Model turns per episode at most; the token budget is model.max_seq_length.
+    max_turns: int = 4
+    # The chat role an observation is rendered as (data.chat_template): "user", or "tool" for
+    # tool results.
+    observation_role: Literal["user", "tool"] = "user"
+    # Environment worker processes (default: the CPU count, at most 8).
+    workers: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> MultiTurnConfig:
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.multi_turn.max_turns must be >= 1, got {self.max_turns}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"rollout.multi_turn.workers must be >= 1, got {self.workers}")
+        return self
+
+
 class RolloutConfig(_Section):
     """How responses are sampled: the embedded engine or a vLLM service."""
 
@@ -390,6 +426,8 @@ class RolloutConfig(_Section):
     # are sampled, up to max_rounds generations per step in all, until prompts_per_step groups
     # with a signal are found.
     dynamic_sampling: DynamicSampling | None = None
+    # Episodes with environment turns; None: one model turn per prompt.
+    multi_turn: MultiTurnConfig | None = None
     vllm: VLLMConfig = VLLMConfig()
 
     @model_validator(mode="after")
@@ -466,8 +504,26 @@ class OverlongPenalty(_Section):
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
     overlong_penalty: OverlongPenalty | None = None
-    # A reward function that takes longer scores 0 for that sample (and is counted).
+    # The deadline of one call (a reward function on one sample, an environment step): a worker
+    # still busy past it is killed and replaced, and the call fails (counted).
     timeout_s: float = 30.0
+    # What a failed score (the function raised, hung, or returned no finite number; an
+    # environment that failed) means for the update: drop_group takes the sample's whole group
+    # out of it (its advantages would be measured against a fabricated value); zero scores 0.
+    on_error: Literal["drop_group", "zero"] = "drop_group"
+    # A step where more than this fraction of samples failed stops the run, naming the
+    # function and its first failure, rather than train on what is left.
+    max_error_fraction: float = 0.25
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if not 0 <= self.max_error_fraction <= 1:
+            raise ValueError(
+                f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}"
+            )
+        return self
 
 
 class EvalConfig(_Section):
@@ -532,6 +588,16 @@ class Recipe(_Section):
             raise ValueError(
                 f"reward.overlong_penalty.cache_tokens ({penalty.cache_tokens}) exceeds "
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens})"
+            )
+        if self.loss.advantage_level == "turn" and self.rollout.multi_turn is None:
+            raise ValueError(
+                "loss.advantage_level: turn needs episodes of several turns "
+                "(rollout.multi_turn); a single-turn rollout has one advantage per sequence"
+            )
+        if not self.reward.functions and self.rollout.multi_turn is None:
+            raise ValueError(
+                "reward.functions is empty and there is no environment (rollout.multi_turn) "
+                "to give rewards: nothing would score the rollouts"
             )
         if self.eval.keep_best and not self.eval.every:
             raise ValueError("eval.keep_best needs eval.every > 0")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from megatron_gspo.config import DataConfig, RewardConfig
@@ -18,6 +20,7 @@ from megatron_gspo.data.rewards import (
     extract_answer,
     math_answer,
     resolve_reward,
+    reward_value,
 )
 
 
@@ -57,12 +60,25 @@ def test_reward_that_raises_or_times_out_scores_zero_and_is_counted():
     computer = RewardComputer(cfg)
     rewards, stats = computer(["ok", "boom", "slow"], ["a", "b", "c"])
     computer.close()
-    assert rewards == [2.0, 1.0, 1.0]
+    # A sample with a failed function has no real score: 0, and marked failed.
+    assert rewards == [2.0, 0.0, 0.0]
     assert (stats.errors, stats.timeouts) == (1, 1)
+    assert stats.failed == [False, True, True]
+    assert "raising_reward on sample 1" in stats.first_failure
 
 
 def strange_reward(response: str, answer: str) -> float:
-    return {"nan": float("nan"), "inf": float("inf"), "text": "high"}.get(response, 1.0)
+    values = {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "text": "high",
+        "string number": "0.5",
+        "bool": True,
+        "huge": 1e308,
+        "numpy": np.float32(0.25),
+        "int": 1,
+    }
+    return values.get(response, 1.0)
 
 
 def hanging_reward(response: str, answer: str) -> float:
@@ -71,32 +87,50 @@ def hanging_reward(response: str, answer: str) -> float:
     return 1.0
 
 
-def test_non_finite_or_non_numeric_rewards_score_zero_and_count_as_errors():
+def test_anything_but_a_finite_real_number_is_a_failed_reward():
     computer = RewardComputer(
         RewardConfig(functions=[{"name": "tests.test_rewards_data:strange_reward"}])
     )
+    cases = ["nan", "inf", "text", "string number", "bool", "huge", "numpy", "int", "fine"]
     try:
-        rewards, stats = computer(["nan", "inf", "text", "fine"], ["a"] * 4)
+        rewards, stats = computer(cases, ["a"] * len(cases))
     finally:
         computer.close()
-    assert rewards == [0.0, 0.0, 0.0, 1.0] and (stats.errors, stats.timeouts) == (3, 0)
+    assert rewards == [0.0] * 6 + [0.25, 1.0, 1.0]
+    assert stats.failed == [True] * 6 + [False] * 3
+    assert (stats.errors, stats.timeouts) == (6, 0)
+    assert "'0.5' (str), not a number" in stats.first_failure or "nan" in stats.first_failure
 
 
-def test_a_hanging_reward_costs_one_deadline_per_batch_and_is_killed():
+@pytest.mark.parametrize(
+    "value, message",
+    [("0.5", "'0.5' (str), not a number"), (True, "True (bool)"), (1e308, "not a finite")],
+)
+def test_reward_value_refuses_what_only_converts_to_a_number(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        reward_value(value)
+    assert reward_value(np.int64(3)) == 3.0
+
+
+def test_rare_hangs_cost_one_sample_each_not_the_batch():
+    # 2 workers, 4 hangs among 40 samples, 1 s deadline per call: exactly the hung samples
+    # time out (a deadline for the batch would take every sample queued behind them).
     cfg = RewardConfig(
         functions=[{"name": "tests.test_rewards_data:hanging_reward"}], timeout_s=1.0
     )
     computer = RewardComputer(cfg, max_workers=2)
+    responses = ["hang" if i % 10 == 3 else "ok" for i in range(40)]
     try:
         start = time.monotonic()
-        # More hanging samples than workers: per-sample timeouts would cost 4 deadlines.
-        rewards, stats = computer(["hang"] * 4 + ["ok"], ["a"] * 5)
-        first = time.monotonic() - start
-        assert stats.timeouts >= 4 and first < 5, (stats, first)
-        # The hung workers are gone; the next batch is scored normally.
-        start = time.monotonic()
+        rewards, stats = computer(responses, ["a"] * 40)
+        elapsed = time.monotonic() - start
+        assert stats.timeouts == 4 and stats.errors == 0, stats
+        assert rewards == [0.0 if r == "hang" else 1.0 for r in responses]
+        # timeout x hangs / workers = 2 s, plus the replacement workers' start.
+        assert elapsed < 2 * 1.0 + 30, elapsed
+        # The replacements serve the next batch.
         rewards, stats = computer(["ok", "ok"], ["a", "a"])
-        assert rewards == [1.0, 1.0] and stats.timeouts == 0 and time.monotonic() - start < 10
+        assert rewards == [1.0, 1.0] and stats.timeouts == 0
     finally:
         computer.close()
 
@@ -106,16 +140,28 @@ def test_reward_workers_survive_the_sigterm_meant_for_the_trainer():
     # step and save. The workers are ended by the computer (SIGKILL) or by the trainer's exit.
     computer = RewardComputer(RewardConfig(functions=[{"name": "exact_match"}]), max_workers=2)
     try:
-        assert computer(["a"], ["a"])[0] == [1.0]
-        for p in computer._procs:
+        computer.start()
+        procs = [w.proc for w in computer.pool._workers]
+        for p in procs:
             os.kill(p.pid, signal.SIGTERM)
         time.sleep(0.5)
-        assert all(p.is_alive() for p in computer._procs)
+        assert all(p.is_alive() for p in procs)
         rewards, stats = computer(["a", "b"], ["a", "a"])
         assert rewards == [1.0, 0.0] and (stats.errors, stats.timeouts) == (0, 0)
     finally:
         computer.close()
-    assert not computer._procs
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_reward_settings_that_would_fail_every_call_are_refused_at_start():
+    with pytest.raises(ValueError, match=r"reward.functions\[0\]: digit_match cannot take"):
+        RewardComputer(RewardConfig(functions=[{"name": "digit_match", "kwargs": {"x": 1}}]))
+    with pytest.raises(ValueError, match="reward.timeout_s must be > 0"):
+        RewardConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="reward.timeout_s must be > 0"):
+        RewardConfig(timeout_s=-1)
+    # A keyword the function does take is fine.
+    RewardComputer(RewardConfig(functions=[{"name": "format", "kwargs": {"pattern": "x"}}])).close()
 
 
 def test_unknown_or_unimportable_reward_is_refused_at_start():

@@ -5,30 +5,29 @@ A reward function is ``fn(response: str, answer: str, **kwargs) -> float``. Regi
 answer, checked with ``math-verify`` when installed), ``format`` (a regular expression). Any
 other name of the form ``package.module:function`` is imported.
 
-Rewards are user code, so they run in worker processes, and a batch has one deadline
-(``reward.timeout_s`` for all of its samples together). The rule: a function that raises,
-returns something that is not a finite number (NaN, inf, a string), or has not answered by the
-deadline contributes 0 to that sample's reward; the first two count in ``reward_errors``, the
-last in ``reward_timeouts``; the run goes on. Workers still busy at the deadline are killed
-(a hung reward cannot hold the run, its threads or its exit) and fresh ones serve the next
-batch. Names that cannot be resolved fail at start-up, before any compute is spent.
+Rewards are user code, so they run in worker processes with a deadline per call
+(``reward.timeout_s``, :mod:`megatron_gspo.workers`): a hung call costs its sample and one
+deadline of one worker, whose replacement starts at once. A function that raises, returns
+anything but a finite real number (NaN, inf, a string, a bool, a value float32 cannot hold), or
+misses its deadline fails that sample: counted in ``reward_errors`` or ``reward_timeouts``, and
+``reward.on_error`` says what the update does with it (the loop's scoring,
+:mod:`megatron_gspo.episodes.scoring`). Names that cannot be resolved, and keyword arguments a
+function does not take, fail at start-up, before any compute is spent.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
-import multiprocessing
+import numbers
 import os
-import queue
 import re
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.procs import kill_at_exit
+from megatron_gspo.user_code import check_kwargs, resolve
+from megatron_gspo.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -152,159 +151,108 @@ REWARDS: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise ValueError(
-            f"reward.functions: unknown reward {name!r}; use one of {sorted(REWARDS)} "
-            "or 'package.module:function'"
-        )
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.functions: cannot import {name!r}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward.functions: {name!r} is not callable")
+    return resolve(name, REWARDS, key="reward.functions", what="reward")
+
+
+def check_reward_function(name: str, kwargs: dict, where: str = "reward.functions") -> RewardFn:
+    """The function ``name`` resolves to, once it is known to accept ``kwargs``."""
+    fn = resolve_reward(name)
+    check_kwargs(fn, name, kwargs, key=where, args=("response", "answer"))
     return fn
+
+
+# float32 is what advantages are computed in; a larger reward would overflow there.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def reward_value(value: object) -> float:
+    """A reward function's result as a float; ValueError for anything but a finite real number
+    (a string or a bool is not a score, however it converts)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"returned {value!r} ({type(value).__name__}), not a number")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"returned {value}, not a finite float32 number")
+    return value
 
 
 @dataclass
 class RewardStats:
     errors: int = 0
     timeouts: int = 0
+    # Per sample: whether any of its reward functions failed (raised, returned no finite
+    # number, or missed its deadline); its score is then not a real one.
+    failed: list[bool] = field(default_factory=list)
+    # The first failure, for an error message: which function, on which sample, and why.
+    first_failure: str | None = None
 
 
-def _score(fn: RewardFn, kwargs: dict, response: str, answer: str) -> tuple[str, float | str]:
-    """One function on one sample: ("ok", value) or ("error", message)."""
-    try:
-        value = fn(response, answer, **kwargs)
-    except Exception as e:  # noqa: BLE001 - user code; a failure scores 0
-        return "error", f"raised {type(e).__name__}: {e}"
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return "error", f"returned {value!r}, not a number"
-    if not math.isfinite(value):
-        return "error", f"returned {value}, not a finite number"
-    return "ok", value
-
-
-def _worker(specs: list[tuple[str, dict]], parent_pid: int, tasks, results) -> None:
-    """Score (task id, function index, response, answer) tasks until the parent kills us."""
-    from megatron_gspo.procs import die_with_parent
-
-    die_with_parent(parent_pid)
+def _reward_handler(specs: list[tuple[str, dict]]) -> Callable:
+    """In a worker: ``(function index, response, answer) -> float``."""
     functions = [(resolve_reward(name), kwargs) for name, kwargs in specs]
-    results.put((None, ("ready", os.getpid())))
-    while True:
-        task_id, index, response, answer = tasks.get()
+
+    def score(index: int, response: str, answer: str) -> float:
         fn, kwargs = functions[index]
-        results.put((task_id, _score(fn, kwargs, response, answer)))
+        return reward_value(fn(response, answer, **kwargs))
 
-
-_START_TIMEOUT_S = 120.0
+    return score
 
 
 class RewardComputer:
-    """Weighted sum of the recipe's reward functions, computed in worker processes."""
+    """Weighted sum of the recipe's reward functions, computed in worker processes with a
+    deadline per call (:mod:`megatron_gspo.workers`)."""
 
     def __init__(self, config: RewardConfig, max_workers: int | None = None) -> None:
-        for f in config.functions:
-            resolve_reward(f.name)  # fail here, at start-up, on a name that cannot be used
+        for i, f in enumerate(config.functions):
+            # Fail here, at start-up, on a name or kwargs that cannot be used.
+            check_reward_function(f.name, dict(f.kwargs), where=f"reward.functions[{i}]")
         self.specs = [(f.name, dict(f.kwargs)) for f in config.functions]
         self.weights = [f.weight for f in config.functions]
         self.timeout = config.timeout_s
         self.workers = max_workers or max(1, min(8, os.cpu_count() or 1))
-        self._procs: list = []
-        self._tasks = self._results = None
-
-    def _ensure_workers(self) -> None:
-        # Processes of our own rather than multiprocessing.Pool: the workers ignore SIGTERM (Slurm
-        # sends it to every process of the job, and it is meant for the trainer, which still
-        # needs its rewards to finish the step and save), so ending them takes SIGKILL, which
-        # Pool.terminate does not send; and a Pool respawns workers while they are being killed.
-        if self._procs:
-            return
-        ctx = multiprocessing.get_context("spawn")
-        self._tasks, self._results = ctx.Queue(), ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(self.specs, os.getpid(), self._tasks, self._results),
-                daemon=True,
-            )
-            for _ in range(self.workers)
-        ]
-        for p in self._procs:
-            p.start()
-            kill_at_exit(p)
-        # Until a worker has set up its signals a SIGTERM would end it: wait for all of them.
-        ready, deadline = 0, time.monotonic() + _START_TIMEOUT_S
-        while ready < len(self._procs) and time.monotonic() < deadline:
-            try:
-                self._results.get(timeout=0.5)
-                ready += 1
-            except queue.Empty:
-                if not any(p.is_alive() for p in self._procs):
-                    break
-        if ready == 0:
-            codes = [p.exitcode for p in self._procs]
-            self.close()
-            raise RuntimeError(f"reward workers did not start (exit codes {codes})")
+        self.pool = WorkerPool(
+            _reward_handler,
+            (self.specs,),
+            workers=self.workers,
+            timeout_s=self.timeout,
+            name="reward",
+        )
 
     def __call__(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
+        """The rewards of the responses (0 where a function failed) and what failed."""
         pairs = list(zip(responses, answers, strict=True))
         n = len(self.specs)
-        self._ensure_workers()
-        for s, (r, a) in enumerate(pairs):
-            for i in range(n):
-                self._tasks.put((s * n + i, i, r, a))
-        deadline = time.monotonic() + self.timeout
-        done: dict[int, tuple[str, float | str]] = {}
-        while len(done) < len(pairs) * n and time.monotonic() < deadline:
-            try:
-                task_id, outcome = self._results.get(timeout=min(0.5, deadline - time.monotonic()))
-            except queue.Empty:
-                # A reward that kills its process (os._exit, a crash in native code) takes its
-                # task with it; once no worker is left, nothing more can come.
-                if not any(p.is_alive() for p in self._procs):
-                    break
-                continue
-            done[task_id] = outcome
-        # What did not answer: past the deadline a timeout, before it a worker that died.
-        missing = ("timeout", None) if time.monotonic() >= deadline else ("error", "worker died")
+        outcomes = self.pool.map((i, r, a) for r, a in pairs for i in range(n))
         stats, rewards = RewardStats(), []
         for s in range(len(pairs)):
-            total = 0.0
+            total, failed = 0.0, False
             for i in range(n):
-                status, value = done.get(s * n + i, missing)
-                if status == "ok":
-                    total += self.weights[i] * value
-                elif status == "error":
-                    stats.errors += 1
-                    log.warning("reward %s %s", self.specs[i][0], value)
-                else:
+                outcome = outcomes[s * n + i]
+                if outcome.ok:
+                    total += self.weights[i] * outcome.value
+                    continue
+                failed = True
+                if outcome.status == "timeout":
                     stats.timeouts += 1
-            rewards.append(total)
-        if len(done) < len(pairs) * n:
-            log.warning(
-                "%d reward call(s) unanswered (%d past the %.0f s deadline); restarting the "
-                "reward workers",
-                len(pairs) * n - len(done),
-                stats.timeouts,
-                self.timeout,
-            )
-            self.close()  # the unfinished tasks go with the workers and their queues
+                else:
+                    stats.errors += 1
+                if stats.first_failure is None:
+                    stats.first_failure = f"reward {self.specs[i][0]} on sample {s}: " + (
+                        outcome.message
+                    )
+                    log.warning("%s", stats.first_failure)
+            if not failed and not abs(total) <= _FLOAT32_MAX:  # the weighted sum overflowed
+                failed, stats.errors = True, stats.errors + 1
+                stats.first_failure = stats.first_failure or (
+                    f"rewards on sample {s}: the weighted sum {total} is not a finite number"
+                )
+            stats.failed.append(failed)
+            rewards.append(total if not failed else 0.0)
         return rewards, stats
 
+    def start(self) -> None:
+        """Start the workers now (at start-up) rather than at the first batch."""
+        self.pool.start()
+
     def close(self) -> None:
-        for p in self._procs:
-            p.kill()
-        for p in self._procs:
-            p.join()
-        for q in (self._tasks, self._results):
-            if q is not None:
-                q.cancel_join_thread()
-                q.close()
-        self._procs, self._tasks, self._results = [], None, None
+        self.pool.close()

@@ -1,0 +1,97 @@
+"""The worker pool that runs user code: a deadline per call, a killed worker replaced at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from megatron_gspo.workers import WorkerPool, WorkerPoolError
+
+
+def _misbehaving_handler(tag: str):
+    def handle(x):
+        if x == "hang":
+            time.sleep(3600)
+        if x == "raise":
+            raise KeyError("no such thing")
+        if x == "exit":
+            os._exit(7)
+        return f"{tag}:{x}"
+
+    return handle
+
+
+def _broken_setup():
+    raise ImportError("no module named 'nowhere'")
+
+
+def test_each_hung_call_costs_its_own_deadline_and_the_rest_are_answered():
+    pool = WorkerPool(_misbehaving_handler, ("t",), workers=2, timeout_s=1.0)
+    calls = [("hang",) if i % 5 == 2 else (str(i),) for i in range(20)]
+    try:
+        start = time.monotonic()
+        outcomes = pool.map(calls)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    statuses = [o.status for o in outcomes]
+    hung = [i for i, c in enumerate(calls) if c == ("hang",)]
+    assert [i for i, s in enumerate(statuses) if s == "timeout"] == hung, statuses
+    assert all(outcomes[i].value == f"t:{i}" for i in range(20) if i not in hung)
+    assert "1 s" in outcomes[hung[0]].message
+    # With one deadline for the batch, the calls queued behind the hung ones would time out
+    # too. Here 4 hangs over 2 workers cost about 2 deadlines (plus worker restarts).
+    assert elapsed < 2 * 1.0 + 30, elapsed
+    assert pool.replaced == len(hung)
+
+
+def test_a_raising_or_dying_call_fails_alone():
+    pool = WorkerPool(_misbehaving_handler, ("t",), workers=1, timeout_s=30.0)
+    try:
+        raised, died, fine = pool.map([("raise",), ("exit",), ("ok",)])
+    finally:
+        pool.close()
+    assert raised.status == "error" and "KeyError" in raised.message
+    assert "test_workers.py" in raised.message  # where the user code raised
+    assert died.status == "error" and "exit code 7" in died.message
+    assert fine.ok and fine.value == "t:ok"
+
+
+def test_a_setup_that_cannot_run_is_named():
+    pool = WorkerPool(_broken_setup, workers=2, timeout_s=5.0, name="env")
+    try:
+        with pytest.raises(WorkerPoolError, match="env workers cannot start.*nowhere"):
+            pool.submit("x").result(timeout=120)
+        with pytest.raises(WorkerPoolError, match="nowhere"):
+            pool.submit("y")
+    finally:
+        pool.close()
+
+
+def test_calls_from_many_threads_and_sigterm_ignored():
+    pool = WorkerPool(_misbehaving_handler, ("t",), workers=2, timeout_s=30.0)
+    try:
+        pool.start()
+        results: dict[int, str] = {}
+
+        def caller(k: int) -> None:
+            results[k] = pool.submit(str(k)).result().value
+
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        # Slurm signals every process of the job: the workers must outlive it.
+        for w in pool._workers:
+            os.kill(w.proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join()
+        assert results == {k: f"t:{k}" for k in range(8)}
+        assert pool.replaced == 0
+    finally:
+        pool.close()
+    with pytest.raises(WorkerPoolError, match="closed"):
+        pool.submit("late")
