@@ -25,7 +25,7 @@ def by_group(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def _has_signal(group: list[Sample]) -> bool:
-    return any(s.advantage != 0.0 for s in group)
+    return any(s.advantage != 0.0 or any(s.token_advantages or ()) for s in group)
 
 
 def groups_without_signal(samples: list[Sample]) -> float:

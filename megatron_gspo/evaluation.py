@@ -13,13 +13,17 @@ one the two samples share prompts; a file is the held-out set proper).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch.distributed as dist
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.data.rewards import RewardComputer
-from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult, SamplingParams
+from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.runner import EpisodeRunner
+from megatron_gspo.episodes.scoring import final_rewards
+from megatron_gspo.rollout.protocol import SamplingParams
 
 __all__ = ["eval_prompts", "evaluate", "is_eval_step", "pass_at_k"]
 
@@ -52,48 +56,44 @@ def pass_at_k(rewards: list[list[float]], threshold: float) -> float:
 
 
 def evaluate(
-    generate: Callable[[RolloutRequest], RolloutResult] | None,
+    runner: EpisodeRunner | None,
     prompts: list[Prompt],
-    decode: Callable[[list[int]], str],
+    decode: Callable[[list[int]], str] | None,
     rewards: RewardComputer | None,
     recipe: Recipe,
     *,
     step: int,
-    params: dict,
+    params: SamplingParams,
 ) -> dict[str, float]:
     """The eval metrics at ``step``; collective (every rank gets rank 0's figures).
 
-    ``generate`` is the engine's collective ``generate`` (every rank passes it) or, while an
-    asynchronous pipeline is paused, rank 0's ``generate_rank0`` (``None`` elsewhere).
-    ``params`` are the training rollouts' sampling parameters (without the seed), of which
-    evaluation changes the group size and temperature.
+    ``runner`` runs episodes on every rank together (it is passed on every rank) or, while an
+    asynchronous pipeline is paused, on rank 0 alone (``None`` elsewhere). ``params`` are the
+    training rollouts' sampling parameters, of which evaluation changes the group size,
+    temperature and seed. An episode's reward is its environment's turn rewards and the reward
+    functions on its last turn, as in training.
     """
     cfg = recipe.eval
-    ids = [p.token_ids for p in prompts]
 
-    def request(group: int, temperature: float, salt: int) -> RolloutRequest:
-        sampling = SamplingParams(
-            **{
-                **params,
-                "group_size": group,
-                "temperature": temperature,
-                "top_p": 1.0 if temperature == 0 else params["top_p"],
-                "return_routes": False,
-            },
+    def sampling(group: int, temperature: float, salt: int) -> SamplingParams:
+        return replace(
+            params,
+            group_size=group,
+            temperature=temperature,
+            top_p=1.0 if temperature == 0 else params.top_p,
+            return_routes=False,
             seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
         )
-        return RolloutRequest(ids, sampling)
 
     out: list = [None]
-    if generate is not None:
-        greedy = generate(request(1, 0.0, 0))
-        sampled = generate(request(cfg.k, cfg.temperature, 1))
+    if runner is not None:
+        greedy = runner.run(prompts, sampling(1, 0.0, 0))
+        sampled = runner.run(prompts, sampling(cfg.k, cfg.temperature, 1))
     if dist.get_rank() == 0:
         answers = [p.answer for p in prompts]
-        texts = [decode(g[0].token_ids) for g in greedy.completions]
-        g_rewards, g_stats = rewards(texts, answers)
-        texts = [decode(c.token_ids) for g in sampled.completions for c in g]
-        s_flat, s_stats = rewards(texts, [a for a in answers for _ in range(cfg.k)])
+        g_rewards, g_stats = _totals([g[0] for g in greedy], answers, rewards, decode)
+        flat = [e for g in sampled for e in g]
+        s_flat, s_stats = _totals(flat, [a for a in answers for _ in range(cfg.k)], rewards, decode)
         s_rewards = [s_flat[i * cfg.k : (i + 1) * cfg.k] for i in range(len(prompts))]
         out = [
             {
@@ -105,3 +105,9 @@ def evaluate(
         ]
     dist.broadcast_object_list(out, src=0)
     return out[0]
+
+
+def _totals(episodes: list[Episode], answers, rewards, decode):
+    """Each episode's reward (a failed part scores 0 here: evaluation drops nothing)."""
+    final, stats = final_rewards(episodes, answers, rewards, decode)
+    return [sum(e.turn_rewards) + f for e, f in zip(episodes, final, strict=True)], stats

@@ -327,7 +327,10 @@ class GSPOTrainer:
         mb.loss_mask = mb.loss_mask.clone()
         mb.loss_mask[region] = keep
         token_adv = torch.zeros_like(mb.loss_mask)
-        token_adv[region] = layout.to_tokens(mb.advantages) * weights
+        base = mb.token_advantages
+        token_adv[region] = (
+            layout.to_tokens(mb.advantages) if base is None else base[region]
+        ) * weights
         mb.token_advantages = token_adv
         kept = layout.seq_sum(keep)
         if self.cp_size > 1:

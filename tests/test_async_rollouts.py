@@ -22,11 +22,12 @@ def _todays_loop(rank, world, data: dict, steps: int):
     """The on-policy loop written out by hand: sample, score, update, in that order."""
     from megatron_gspo.data.prompts import PromptStream
     from megatron_gspo.data.rewards import RewardComputer
+    from megatron_gspo.episodes.episode import single_turn
+    from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.policy import Policy
     from megatron_gspo.rollout import RolloutRequest, SamplingParams
     from megatron_gspo.rollout.local import LocalEngine
-    from megatron_gspo.train import score
     from megatron_gspo.train_step import GSPOTrainer
     from megatron_gspo.weights import gather_full_state_dict
 
@@ -48,7 +49,8 @@ def _todays_loop(rank, world, data: dict, steps: int):
             seed=r.seed * 1_000_003 + step,
         )
         result = engine.generate(RolloutRequest([p.token_ids for p in prompts], params))
-        samples, metrics = score(result, prompts, stream, rewards, recipe)
+        score = Scorer(recipe, rewards, stream.tokenizer.decode)
+        samples, metrics = score(prompts, single_turn(result))
         metrics.update(trainer.step(samples))
         records.append({"step": step, **metrics})
     rewards.close()

@@ -21,9 +21,10 @@ def _score(rank, world, data: dict):
     from megatron_gspo.config import Recipe
     from megatron_gspo.data.prompts import PromptStream
     from megatron_gspo.data.rewards import RewardComputer
+    from megatron_gspo.episodes.episode import single_turn
+    from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.rollout.protocol import Completion, RolloutResult
-    from megatron_gspo.train import score
 
     recipe = Recipe.model_validate(data)
     init_parallel(recipe.parallel)
@@ -41,7 +42,8 @@ def _score(rank, world, data: dict):
     )
     rewards = RewardComputer(recipe.reward)
     try:
-        samples, metrics = score(result, prompts, stream, rewards, recipe)
+        score = Scorer(recipe, rewards, stream.tokenizer.decode)
+        samples, metrics = score(prompts, single_turn(result))
     finally:
         rewards.close()
     return [(s.response_ids, s.advantage, s.reward) for s in samples], metrics

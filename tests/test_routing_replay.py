@@ -267,24 +267,25 @@ def test_rollout_replay_under_each_layout_equals_single_rank(replay_single_rank,
 
 def test_routes_that_do_not_fit_the_sequence_are_refused_by_name():
     from megatron_gspo.data.prompts import Prompt
-    from megatron_gspo.train import _checked_routes
+    from megatron_gspo.episodes.episode import Episode
+    from megatron_gspo.episodes.scoring import checked_routes
 
     recipe = tiny_recipe(train={"routing_replay": "rollout"})
     prompt = Prompt(text="123", answer="x", token_ids=[1, 2, 3])
     ok = np.zeros((3 + 4 - 1, LAYERS, K), dtype=np.uint8)
     ok[..., 1] = 1
     c = Completion(token_ids=[4, 5, 6, 7], logprobs=[0.0] * 4, finish_reason="stop", routes=ok)
-    assert _checked_routes(c, prompt, recipe) is ok
+    assert checked_routes(Episode.from_completion(c), prompt, recipe) is ok
     # One row short (the engine left out the prompt's first token), as seen elsewhere.
     c.routes = ok[1:]
     with pytest.raises(ValueError, match=r"routes of shape \(5, 2, 2\).*\[6, 2, 2\]"):
-        _checked_routes(c, prompt, recipe)
+        checked_routes(Episode.from_completion(c), prompt, recipe)
     c.routes = ok + 9
     with pytest.raises(ValueError, match="outside"):
-        _checked_routes(c, prompt, recipe)
+        checked_routes(Episode.from_completion(c), prompt, recipe)
     c.routes = None
     with pytest.raises(ValueError, match="returned no expert routes"):
-        _checked_routes(c, prompt, recipe)
+        checked_routes(Episode.from_completion(c), prompt, recipe)
 
 
 def test_routing_replay_settings():

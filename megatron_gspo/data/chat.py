@@ -54,11 +54,19 @@ class ChatTemplate:
         return template, config
 
     def render(self, prompt: str) -> str:
+        """A prompt as the first user message (after the system prompt), ready for the
+        assistant's answer."""
         messages = [{"role": "user", "content": prompt}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.render_messages(messages, add_generation_prompt=True)
+
+    def render_messages(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self._template.render(
-            messages=messages, add_generation_prompt=True, **self._special, **self.kwargs
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self._special,
+            **self.kwargs,
         )
 
 

@@ -1,7 +1,8 @@
 """From rollout samples to micro-batches: data-parallel balancing, packing, padding.
 
-A sample is a prompt and one response. The model reads ``tokens[:-1]`` and is scored on
-``tokens[1:]``; only positions whose target is a response token carry loss.
+A sample is a prompt and what followed it: one response, or an episode's model and
+environment turns. The model reads ``tokens[:-1]`` and is scored on ``tokens[1:]``; only
+positions whose target is a token the model sampled (``response_mask``) carry loss.
 
 Two layouts give the same loss and gradients:
 
@@ -33,13 +34,19 @@ from megatron_gspo.model.routes import filler_routes
 
 @dataclass
 class Sample:
-    """One prompt and one sampled response, with what the update needs to know about it."""
+    """One prompt and what followed it, with what the update needs to know about it."""
 
     prompt_ids: list[int]
+    # Everything after the prompt: the response, or an episode's model and environment turns.
     response_ids: list[int]
     advantage: float = 0.0
-    # Per response token, under the sampling engine; optional.
+    # Per response token, under the sampling engine (0 on environment tokens); optional.
     rollout_logprobs: list[float] | None = None
+    # Per response token: 1 where the model sampled it, 0 where an environment turn put it
+    # (never trained on). None: every response token is the model's.
+    response_mask: list[int] | None = None
+    # Per response token: its own advantage (turn-level credit); None: ``advantage`` for all.
+    token_advantages: list[float] | None = None
     reward: float = 0.0
     # Index of the prompt the sample answers (groups share it).
     prompt_index: int = 0
@@ -90,7 +97,8 @@ class MicroBatch:
     has_rollout_logprobs: bool = False
     # The rollout's (behaviour policy's) log-probs, kept when old_logprobs is recomputed.
     behaviour_logprobs: torch.Tensor | None = None
-    # Per-token advantages where an off-policy correction weighs tokens (else None).
+    # [b, s] per-token advantages (0 where not scored) where a sample has its own
+    # (turn-level credit) or an off-policy correction weighs tokens; else None.
     token_advantages: torch.Tensor | None = None
     # The frozen reference policy's log-probs where loss.kl_coef > 0 (else None).
     ref_logprobs: torch.Tensor | None = None
@@ -193,13 +201,17 @@ def plan_microbatches(
     return [p + [[]] * (n - len(p)) for p in plans]
 
 
-def _sequence_arrays(s: Sample) -> tuple[list[int], list[int], list[float], list[float]]:
+def _sequence_arrays(s: Sample) -> tuple[list[int], list[int], list[float], list[float], list]:
+    """Inputs, targets, loss mask, old log-probs and per-token advantages of one sequence."""
     ids = s.prompt_ids + s.response_ids
-    p = len(s.prompt_ids)
+    p, n = len(s.prompt_ids), len(s.response_ids)
     inputs, targets = ids[:-1], ids[1:]
-    mask = [0.0] * (p - 1) + [1.0] * len(s.response_ids)
-    old = [0.0] * (p - 1) + list(s.rollout_logprobs or [0.0] * len(s.response_ids))
-    return inputs, targets, mask, old
+    response = s.response_mask if s.response_mask is not None else [1] * n
+    mask = [0.0] * (p - 1) + [float(m) for m in response]
+    old = [0.0] * (p - 1) + list(s.rollout_logprobs or [0.0] * n)
+    token_adv = s.token_advantages if s.token_advantages is not None else [s.advantage] * n
+    adv = [0.0] * (p - 1) + [a if m else 0.0 for a, m in zip(token_adv, response, strict=True)]
+    return inputs, targets, mask, old, adv
 
 
 def _causal(seq: int) -> torch.Tensor:
@@ -274,6 +286,9 @@ def build_microbatch(
     routes = [samples[i].routes for i in indices]
     has_routes = bool(indices) and all(r is not None for r in routes)
     advantages = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)
+    # Per-token advantages only where a sample has its own (the losses then take the token
+    # form); the others' tokens carry their sequence's advantage.
+    per_token = any(samples[i].token_advantages is not None for i in indices)
     if packing:
         lens = [len(a[0]) for a in arrays]
         padded = [_round_up(n, segment_multiple) for n in lens]
@@ -298,6 +313,7 @@ def build_microbatch(
             loss_mask=row([a[2] for a in arrays], 0.0),
             advantages=advantages,
             old_logprobs=row([a[3] for a in arrays], 0.0),
+            token_advantages=row([a[4] for a in arrays], 0.0) if per_token else None,
             cu_seqlens=cu_padded[: len(lens) + 1],
             sample_indices=list(indices),
             padding_mask=padding[None],
@@ -308,7 +324,7 @@ def build_microbatch(
     # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
     # contribute nothing.
     empty = max(0, (rows or 1) - len(arrays))
-    arrays += [([], [], [], [])] * empty
+    arrays += [([], [], [], [], [])] * empty
     advantages = torch.cat([advantages, torch.zeros(empty)])
 
     def pad(parts: list[list], value) -> torch.Tensor:
@@ -325,6 +341,7 @@ def build_microbatch(
         loss_mask=pad([a[2] for a in arrays], 0.0),
         advantages=advantages,
         old_logprobs=pad([a[3] for a in arrays], 0.0),
+        token_advantages=pad([a[4] for a in arrays], 0.0) if per_token else None,
         cu_seqlens=None,
         sample_indices=list(indices),
         padding_mask=torch.arange(width)[None] >= torch.tensor([[len(a[0])] for a in arrays]),

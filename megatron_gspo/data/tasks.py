@@ -3,6 +3,11 @@
 Each task draws (prompt, answer) pairs from a seeded generator and comes with its character
 tokenizer. Prompts read ``<digits>=`` and the answer is a string of digits; the dense reward
 ``digit_match`` gives partial credit per correct position.
+
+``relay_digits`` is the multi-turn one (environment ``relay_digits``,
+:mod:`megatron_gspo.episodes.environment`): its answer holds ``turns`` digit strings,
+``"12|4|907"``; the prompt shows the first, and each later one is revealed by the environment's
+turn after the model copied the one before.
 """
 
 from __future__ import annotations
@@ -26,19 +31,32 @@ TASKS: dict[str, Callable[[str], str]] = {
 }
 
 
+MULTI_TURN_TASKS = ("relay_digits",)
+
+
 class SyntheticTask:
-    def __init__(self, name: str, *, min_len: int = 2, max_len: int = 4) -> None:
-        if name not in TASKS:
-            raise ValueError(f"data.task: unknown task {name!r}; known: {sorted(TASKS)}")
+    def __init__(
+        self, name: str, *, min_len: int = 2, max_len: int = 4, turns: int | None = None
+    ) -> None:
+        if name not in TASKS and name not in MULTI_TURN_TASKS:
+            known = sorted([*TASKS, *MULTI_TURN_TASKS])
+            raise ValueError(f"data.task: unknown task {name!r}; known: {known}")
         if not 1 <= min_len <= max_len:
             raise ValueError(
                 f"data.task_options: need 1 <= min_len <= max_len, got {min_len}, {max_len}"
             )
-        self.name, self.min_len, self.max_len = name, min_len, max_len
+        if (turns is not None) != (name in MULTI_TURN_TASKS) or (turns is not None and turns < 1):
+            raise ValueError(
+                f"data.task_options: turns (>= 1) is for {list(MULTI_TURN_TASKS)} only"
+            )
+        self.name, self.min_len, self.max_len, self.turns = name, min_len, max_len, turns
         self.tokenizer = CharTokenizer(ALPHABET)
 
     def example(self, index: int, seed: int) -> dict[str, str]:
         """The ``index``-th example of the stream for ``seed``: a pure function of both."""
         rng = random.Random(f"{self.name}:{seed}:{index}")
+        if self.turns is not None:
+            parts = [_digits(rng, self.min_len, self.max_len) for _ in range(self.turns)]
+            return {"prompt": f"{parts[0]}=", "answer": "|".join(parts)}
         digits = _digits(rng, self.min_len, self.max_len)
         return {"prompt": f"{digits}=", "answer": TASKS[self.name](digits)}

@@ -106,6 +106,13 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as a chat template writes it (special tokens included)."""
+        text = self._tok.id_to_token(token_id)
+        if text is None:
+            raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+        return text
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

@@ -3,7 +3,7 @@
 Pure math on tensors plus explicit process groups; nothing here reads global parallel state.
 """
 
-from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.loss.logprobs import token_logprobs
 from megatron_gspo.loss.policy_loss import (
     POLICY_LOSSES,
@@ -26,5 +26,7 @@ __all__ = [
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
+    "returns_to_go",
     "token_logprobs",
+    "turn_advantages",
 ]

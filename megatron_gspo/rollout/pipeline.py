@@ -34,37 +34,43 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_gspo.data.prompts import Prompt
-from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult
+from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.rollout.protocol import Completion
 
 __all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline"]
 
 log = logging.getLogger(__name__)
 
 
+# Samples a step's episodes: (step, prompts) -> group_size episodes per prompt.
+Rollout = Callable[[int, list[Prompt]], list[list[Episode]]]
+
+
 @dataclass
 class Batch:
-    """The rollouts for one step: its prompts and the engine's answer."""
+    """The rollouts for one step: its prompts and their episodes, grouped by prompt."""
 
     step: int
     prompts: list[Prompt]
-    result: RolloutResult
+    episodes: list[list[Episode]]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "prompts": [asdict(p) for p in self.prompts],
-            "completions": [[c.to_json() for c in g] for g in self.result.completions],
+            "episodes": [[e.to_json() for e in g] for g in self.episodes],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Batch:
-        return cls(
-            step=int(data["step"]),
-            prompts=[Prompt(**p) for p in data["prompts"]],
-            result=RolloutResult(
-                [[Completion.from_json(c) for c in g] for g in data["completions"]]
-            ),
-        )
+        if "episodes" in data:
+            episodes = [[Episode.from_json(e) for e in g] for g in data["episodes"]]
+        else:  # a checkpoint written before episodes: single-turn completions
+            episodes = [
+                [Episode.from_completion(Completion.from_json(c)) for c in g]
+                for g in data["completions"]
+            ]
+        return cls(int(data["step"]), [Prompt(**p) for p in data["prompts"]], episodes)
 
 
 class OnPolicyRollouts:
@@ -72,12 +78,12 @@ class OnPolicyRollouts:
 
     dropped = 0
 
-    def __init__(self, generate, draw, request) -> None:
-        self.generate, self.draw, self.request = generate, draw, request
+    def __init__(self, rollout: Rollout, draw: Callable[[int], list[Prompt]]) -> None:
+        self.rollout, self.draw = rollout, draw
 
     def take(self, step: int, current_version: int) -> Batch:
         prompts = self.draw(step)
-        return Batch(step, prompts, self.generate(self.request(step, prompts)))
+        return Batch(step, prompts, self.rollout(step, prompts))
 
     def pause(self) -> None:
         pass
@@ -100,15 +106,14 @@ class RolloutPipeline:
     """A queue of up to ``max_staleness`` batches, filled by one generation thread on rank 0.
 
     ``draw(step)`` (called on rank 0, in step order) takes the step's prompts from the data,
-    ``request(step, prompts)`` makes the engine request, and ``generate(request)`` runs in the
-    thread.
+    and ``rollout(step, prompts)`` (rank 0 alone, no collectives) runs the step's episodes in
+    the thread. Episodes are the unit sampled ahead: a queued batch holds whole episodes.
     """
 
     def __init__(
         self,
-        generate: Callable[[RolloutRequest], RolloutResult],
+        rollout: Rollout | None,
         draw: Callable[[int], list[Prompt]],
-        request: Callable[[int, list[Prompt]], RolloutRequest],
         *,
         max_staleness: int,
         next_step: int,
@@ -116,9 +121,8 @@ class RolloutPipeline:
         if max_staleness < 1:
             raise ValueError("RolloutPipeline is for max_staleness >= 1")
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        self.generate = generate
+        self.rollout = rollout
         self.draw = draw
-        self.request = request
         self.capacity = max_staleness
         self.next_step = next_step  # the step whose prompts are drawn next
         self.queue: deque[Future] = deque()
@@ -134,11 +138,10 @@ class RolloutPipeline:
 
     def _start(self, step: int, prompts: list[Prompt] | None = None) -> Future:
         prompts = self.draw(step) if prompts is None else prompts
-        request = self.request(step, prompts)
-        assert self._pool is not None
+        assert self._pool is not None and self.rollout is not None
 
         def job() -> Batch:
-            return Batch(step, prompts, self.generate(request))
+            return Batch(step, prompts, self.rollout(step, prompts))
 
         return self._pool.submit(job)
 
@@ -201,6 +204,6 @@ class RolloutPipeline:
 
 
 def _staleness(batch: Batch, current_version: int) -> int:
-    versions = [c.policy_version for g in batch.result.completions for c in g]
-    known = [v for v in versions if v is not None]
+    """Updates between the oldest turn of the batch and the current policy."""
+    known = [v for g in batch.episodes for e in g for v in e.versions if v is not None]
     return current_version - min(known) if known else 0

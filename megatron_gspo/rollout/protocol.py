@@ -45,22 +45,28 @@ class Completion:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        if self.routes is not None:
-            r = np.ascontiguousarray(self.routes)
-            out["routes"] = {
-                "shape": list(r.shape),
-                "dtype": str(r.dtype),
-                "data": base64.b64encode(r.tobytes()).decode(),
-            }
+        out["routes"] = None if self.routes is None else encode_routes(self.routes)
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> Completion:
         routes = data.get("routes")
-        if routes is not None:
-            raw = base64.b64decode(routes["data"])
-            routes = np.frombuffer(raw, dtype=routes["dtype"]).reshape(routes["shape"]).copy()
-        return cls(**{**data, "routes": routes})
+        return cls(**{**data, "routes": None if routes is None else decode_routes(routes)})
+
+
+def encode_routes(routes: np.ndarray) -> dict:
+    """Routes as JSON (checkpointed rollout queues)."""
+    r = np.ascontiguousarray(routes)
+    return {
+        "shape": list(r.shape),
+        "dtype": str(r.dtype),
+        "data": base64.b64encode(r.tobytes()).decode(),
+    }
+
+
+def decode_routes(data: dict) -> np.ndarray:
+    raw = base64.b64decode(data["data"])
+    return np.frombuffer(raw, dtype=data["dtype"]).reshape(data["shape"]).copy()
 
 
 @dataclass

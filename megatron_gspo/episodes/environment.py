@@ -1,0 +1,155 @@
+"""Environments: what answers a model turn in a multi-turn episode.
+
+The protocol is two methods on an object built once per worker process
+(``cls(**rollout.multi_turn.env_kwargs)``), which keeps nothing between calls:
+
+- ``reset(prompt, answer) -> state``: the episode's starting state, from its data record (the
+  first observation is the record's prompt, which the episodes of a group share);
+- ``step(state, action) -> Step``: the model's turn as text in, the environment's answer out:
+  an observation (the next environment turn's text), this turn's reward, whether the episode is
+  done, and the new state.
+
+Everything an episode carries lives in ``state``, which must be picklable: any worker can take
+an episode's next call, a worker killed at a deadline loses no other episode, and episodes in
+flight can be checkpointed. Environments are user code and run in worker processes with a
+deadline per call (``reward.timeout_s``, :mod:`megatron_gspo.workers`); a call that raises,
+hangs or returns something malformed ends its episode (counted in ``env_errors`` /
+``env_timeouts``), never the run.
+
+Chosen by name (``rollout.multi_turn.env``): a built-in (:data:`ENVIRONMENTS`) or
+``package.module:attr`` for a class (or factory) of the user's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from megatron_gspo.data.rewards import digit_match, reward_value
+from megatron_gspo.user_code import check_kwargs, resolve
+from megatron_gspo.workers import WorkerPool
+
+__all__ = [
+    "ENVIRONMENTS",
+    "EnvironmentPool",
+    "Environment",
+    "RelayDigits",
+    "Step",
+    "check_environment",
+    "resolve_environment",
+]
+
+
+@dataclass(frozen=True)
+class Step:
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    state: Any = None
+
+
+class Environment(Protocol):
+    def reset(self, prompt: str, answer: str) -> Any: ...
+
+    def step(self, state: Any, action: str) -> Step: ...
+
+
+@dataclass
+class _RelayState:
+    targets: list[str]
+    turn: int = 0
+
+
+@dataclass
+class RelayDigits:
+    """The tiny multi-turn task (``data.task: relay_digits``): copy a digit string in every
+    turn, where each string after the first is revealed only by the environment's turn.
+
+    The record's answer holds one string per turn (``"12|4|907"``); the prompt shows the first
+    (``"12="``). After each model turn the environment rewards it with ``digit_match`` against
+    that turn's string and reveals the next one (``"4="``), until the strings run out. A
+    policy that ignores observations can earn the first turn's reward only.
+    """
+
+    separator: str = "|"
+
+    def reset(self, prompt: str, answer: str) -> _RelayState:
+        return _RelayState(answer.split(self.separator))
+
+    def step(self, state: _RelayState, action: str) -> Step:
+        reward = digit_match(action, state.targets[state.turn])
+        turn = state.turn + 1
+        done = turn == len(state.targets)
+        observation = "" if done else f"{state.targets[turn]}="
+        return Step(observation, reward, done, _RelayState(state.targets, turn))
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"relay_digits": RelayDigits}
+
+
+def resolve_environment(name: str) -> Callable[..., Environment]:
+    return resolve(name, ENVIRONMENTS, key="rollout.multi_turn.env", what="environment")
+
+
+def check_environment(name: str, kwargs: dict) -> None:
+    """Refuse, at start-up, an environment that cannot be built from the recipe."""
+    check_kwargs(resolve_environment(name), name, kwargs, key="rollout.multi_turn.env_kwargs")
+
+
+def _checked_step(result: object) -> Step:
+    """A step's result as a :class:`Step`, or an error naming what is wrong with it."""
+    if not isinstance(result, Step):
+        raise TypeError(f"step returned {type(result).__name__}, not an environment Step")
+    if not isinstance(result.observation, str):
+        raise TypeError(f"step's observation is {type(result.observation).__name__}, not str")
+    if not isinstance(result.done, bool):
+        raise TypeError(f"step's done is {result.done!r}, not a bool")
+    return Step(result.observation, reward_value(result.reward), result.done, result.state)
+
+
+def _env_handler(name: str, kwargs: dict) -> Callable:
+    """In a worker: the environment, and calls ``("reset", prompt, answer)`` or ``("step",
+    state, action)`` on it."""
+    env = resolve_environment(name)(**kwargs)
+
+    def handle(method: str, *args):
+        if method == "reset":
+            return env.reset(*args)
+        if method == "step":
+            return _checked_step(env.step(*args))
+        raise ValueError(f"unknown environment call {method!r}")
+
+    return handle
+
+
+class EnvironmentPool:
+    """The recipe's environment in worker processes (global rank 0 only); each call's future
+    answers an :class:`~megatron_gspo.workers.Outcome`."""
+
+    def __init__(
+        self, name: str, kwargs: dict, *, timeout_s: float, workers: int | None = None
+    ) -> None:
+        check_environment(name, kwargs)
+        self.name = name
+        self.pool = WorkerPool(
+            _env_handler,
+            (name, dict(kwargs)),
+            workers=workers or max(1, min(8, os.cpu_count() or 1)),
+            timeout_s=timeout_s,
+            name="environment",
+        )
+
+    def reset(self, prompt: str, answer: str) -> Future:
+        return self.pool.submit("reset", prompt, answer)
+
+    def step(self, state: Any, action: str) -> Future:
+        return self.pool.submit("step", state, action)
+
+    def start(self) -> None:
+        self.pool.start()
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,115 @@
+"""How the loop samples a step's episodes: sampling parameters, seeds, where episodes run.
+
+With ``rollout.max_staleness: 0`` every rank runs the episodes together: the engine's
+``generate`` is collective (the embedded engine decodes on every rank; the others sample on
+rank 0 and share the result), and the environment's answers are computed on rank 0 and
+broadcast turn by turn. With ``K >= 1`` rank 0 runs them alone, in the rollout pipeline's
+thread (``generate_rank0``), and the finished batch is broadcast when a step takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from megatron_gspo.config import Recipe
+from megatron_gspo.data.prompts import Prompt, PromptStream
+from megatron_gspo.episodes.environment import EnvironmentPool
+from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.render import TurnRenderer
+from megatron_gspo.episodes.runner import EpisodeRunner
+from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
+from megatron_gspo.rollout.protocol import SamplingParams
+
+__all__ = ["EpisodeSampler", "broadcast_from_rank0"]
+
+
+def broadcast_from_rank0(fn):
+    """``fn()`` computed on global rank 0 and given to every rank (collective)."""
+    box = [fn() if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class EpisodeSampler:
+    """The step's episodes from the recipe's engine and environment (constructed on every rank;
+    the environment's workers run on global rank 0)."""
+
+    def __init__(self, recipe: Recipe, engine, stream: PromptStream) -> None:
+        self.recipe, self.engine, self.stream = recipe, engine, stream
+        r = recipe.rollout
+        stop = tuple(r.stop_token_ids or [stream.tokenizer.eos_id])
+        self.params = SamplingParams(
+            group_size=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=stop,
+            return_routes=recipe.wants_rollout_routes,
+        )
+        self.multi = r.multi_turn
+        self.envs: EnvironmentPool | None = None
+        self.render: TurnRenderer | None = None
+        if self.multi is not None and dist.get_rank() == 0:
+            self.envs = EnvironmentPool(
+                self.multi.env,
+                self.multi.env_kwargs,
+                timeout_s=recipe.reward.timeout_s,
+                workers=self.multi.workers,
+            )
+            stop_text = stream.tokenizer.token_text(stop[0]) if stream.chat else None
+            self.render = TurnRenderer(
+                stream.tokenizer, stream.chat, role=self.multi.observation_role, stop_text=stop_text
+            )
+            self.envs.start()
+
+    def runner(self, *, alone: bool) -> EpisodeRunner | None:
+        """An episode runner for every rank together, or for rank 0 ``alone`` (None
+        elsewhere)."""
+        rank0 = dist.get_rank() == 0
+        if alone and not rank0:
+            return None
+        return EpisodeRunner(
+            self.engine.generate_rank0 if alone else self.engine.generate,
+            multi_turn=self.multi is not None,
+            max_turns=self.multi.max_turns if self.multi is not None else 1,
+            max_seq_length=self.recipe.model.max_seq_length,
+            envs=self.envs,
+            render=self.render,
+            decode=self.stream.tokenizer.decode if rank0 else None,
+            share=(lambda fn: fn()) if alone else broadcast_from_rank0,
+        )
+
+    def step_seed(self, step: int) -> int:
+        """The sampling seed of a step's rollout batch."""
+        return self.recipe.rollout.seed * 1_000_003 + step
+
+    def rollout(self, step: int, prompts: list[Prompt], *, salt: int = 0) -> list[list[Episode]]:
+        """The step's episodes, on every rank (collective); ``salt`` varies the seed for more
+        batches within a step (dynamic sampling)."""
+        seed = self.step_seed(step) * 1_009 + salt if salt else self.step_seed(step)
+        return self.runner(alone=False).run(prompts, replace(self.params, seed=seed))
+
+    def rollouts(self, *, next_step: int) -> OnPolicyRollouts | RolloutPipeline:
+        """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""
+
+        def draw(step: int) -> list[Prompt]:
+            return self.stream.next_batch(self.recipe.rollout.prompts_per_step)
+
+        k = self.recipe.rollout.max_staleness
+        if k == 0:
+            return OnPolicyRollouts(self.rollout, draw)
+        runner = self.runner(alone=True)
+
+        def ahead(step: int, prompts: list[Prompt]) -> list[list[Episode]]:
+            return runner.run(prompts, replace(self.params, seed=self.step_seed(step)))
+
+        return RolloutPipeline(
+            ahead if runner is not None else None, draw, max_staleness=k, next_step=next_step
+        )
+
+    def close(self) -> None:
+        if self.envs is not None:
+            self.envs.close()
