@@ -2,9 +2,8 @@
 
 Reads as the algorithm does; each phase is a method of :class:`GSPOTrainer`:
 
-1. ``plan``: split the rollout batch into mini-batches (one optimizer step each) and plan each
-   mini-batch's micro-batches for every data-parallel rank (identically on all ranks, so the
-   global sequence count needs no communication); ``_build`` makes this rank's tensors;
+1. ``plan``: split the rollout batch into mini-batches (one optimizer step each) and each
+   mini-batch into this rank's micro-batches (:mod:`megatron_gspo.step_plan`);
 2. ``compute_old_logprobs``: a forward-only pass of the pre-update policy over every
    mini-batch (which also records the routes for the flip rate and routing replay), unless the
    recipe trains on the rollout's own log-probs;
@@ -24,7 +23,7 @@ layout, while the aux loss keeps Megatron's own mean.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,16 +34,12 @@ from megatron_gspo.config import LossConfig
 from megatron_gspo.data.packing import (
     MicroBatch,
     Sample,
-    build_microbatch,
-    microbatch_width,
-    plan_microbatches,
 )
 from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss, token_logprobs
 from megatron_gspo.loss.kl import reference_kl
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.model.routes import routes_for_routers
-from megatron_gspo.parallel.context import split_microbatch
 from megatron_gspo.policy import Policy
 from megatron_gspo.step_metrics import (
     MISMATCH,
@@ -53,16 +48,7 @@ from megatron_gspo.step_metrics import (
     reports_metrics,
     router_metrics,
 )
-
-
-@dataclass(frozen=True)
-class MiniBatchPlan:
-    samples: list[Sample]
-    # Sample indices of every data-parallel rank's micro-batches (the same on all ranks).
-    per_rank: list[list[list[int]]]
-    # This rank's micro-batches (the same count on every data-parallel rank).
-    microbatches: list[MicroBatch]
-    num_sequences: int
+from megatron_gspo.step_plan import MiniBatchPlan, StepPlanner
 
 
 def _loss_kwargs(loss: LossConfig) -> dict:
@@ -103,79 +89,11 @@ class GSPOTrainer:
         self.kl_coef = self.recipe.loss.kl_coef
         self.kl_metrics = ("kl_ref",) if self.kl_coef > 0 else ()
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
-        # Context parallelism splits every sequence into 2 x CP chunks, sequence parallelism
-        # each CP rank's share over the TP ranks: pad sequences and rows to multiples.
-        parallel = self.recipe.parallel
-        self.cp_size = parallel.context_parallel_size
-        self.segment_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
-        self.pad_multiple = self.segment_multiple * (
-            parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
-        )
-        # One shape per mini-batch where ranks exchange activations of a shape they cannot
-        # tell each other: pipeline stages without variable_seq_lengths, and the allgather
-        # expert dispatcher (alltoall, the GPU default, takes uneven splits).
-        config = policy.config
-        self.fixed_shapes = (
-            config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths
-        ) or (
-            config.expert_model_parallel_size > 1
-            and config.moe_token_dispatcher_type == "allgather"
-        )
+        self.planner = StepPlanner(self.recipe, self.groups, policy.config)
+        self.cp_size = self.planner.cp_size
 
-    # ---------------------------------------------------------------- planning
     def plan(self, samples: list[Sample]) -> list[MiniBatchPlan]:
-        train = self.recipe.train
-        n = len(samples)
-        if n < train.mini_batches:
-            raise ValueError(
-                f"{n} samples cannot be split into train.mini_batches={train.mini_batches}"
-            )
-        bounds = [round(k * n / train.mini_batches) for k in range(train.mini_batches + 1)]
-        plans = []
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            mini = samples[a:b]
-            per_rank = plan_microbatches(
-                mini,
-                dp_size=self.groups.dp_size,
-                packing=train.packing,
-                micro_batch_tokens=train.micro_batch_tokens,
-                micro_batch_size=train.micro_batch_size,
-                segment_multiple=self.segment_multiple if train.packing else 1,
-            )
-            plans.append(MiniBatchPlan(mini, per_rank, self._build(mini, per_rank), len(mini)))
-        return plans
-
-    def _build(self, samples: list[Sample], per_rank: list[list[list[int]]]) -> list[MicroBatch]:
-        """This rank's micro-batch tensors, padded to one shape where the layout needs it."""
-        train = self.recipe.train
-        width = rows = None
-        if self.fixed_shapes:
-            # Over every rank's micro-batches: expert dispatch gathers across ranks.
-            width = max(
-                microbatch_width(
-                    samples, idx, packing=train.packing, segment_multiple=self.segment_multiple
-                )
-                for rank in per_rank
-                for idx in rank
-            )
-            rows = None if train.packing else train.micro_batch_size
-        cp_rank = parallel_state.get_context_parallel_rank()
-        return [
-            split_microbatch(
-                build_microbatch(
-                    samples,
-                    idx,
-                    packing=train.packing,
-                    pad_to_multiple=self.pad_multiple,
-                    width=width,
-                    rows=rows,
-                    segment_multiple=self.segment_multiple,
-                ),
-                self.cp_size,
-                cp_rank,
-            )
-            for idx in per_rank[self.groups.dp_rank]
-        ]
+        return self.planner.plan(samples)
 
     # ---------------------------------------------------------------- passes
     def _schedule(

@@ -44,11 +44,14 @@ def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_hanging_and_nan_rewards_neither_stall_nor_poison_the_run(tmp_path):
-    data = loop_recipe(
-        tmp_path / "run",
-        reward={"functions": [{"name": "tests.faulty_rewards:nan_or_hang"}], "timeout_s": 2},
-        run=QUIET,
-    )
+    # About a quarter of the tiny model's responses hold a 3 or a 5: every step goes on
+    # (the error-fraction stop is tested in tests/test_episodes.py).
+    reward = {
+        "functions": [{"name": "tests.faulty_rewards:nan_or_hang"}],
+        "timeout_s": 2,
+        "max_error_fraction": 1.0,
+    }
+    data = loop_recipe(tmp_path / "run", reward=reward, run=QUIET)
     start = time.monotonic()
     proc = _cli("train", str(_write(tmp_path, data)), "--steps", "3", cwd=Path.cwd())
     elapsed = time.monotonic() - start
@@ -57,9 +60,11 @@ def test_hanging_and_nan_rewards_neither_stall_nor_poison_the_run(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r["reward_errors"] for r in records) > 0, "no NaN reward was counted"
     assert sum(r["reward_timeouts"] for r in records) > 0, "no hung reward was counted"
-    # One deadline per batch: 3 steps cost at most 3 deadlines of waiting, not one a sample.
-    assert elapsed < 3 * 2 + 120, f"the run took {elapsed:.0f} s"
-    assert all(r["update_skipped"] == 0 for r in records), "NaN rewards reached the update"
+    # A deadline per hung call, spread over the workers, not one a batch for every sample.
+    hangs = sum(r["reward_timeouts"] for r in records)
+    assert elapsed < hangs * 2 + 120, f"the run took {elapsed:.0f} s for {hangs} hung calls"
+    # Under reward.on_error: drop_group no failed score reaches the update.
+    assert all(r["groups_dropped_on_error"] > 0 for r in records)
 
 
 def test_no_resume_never_destroys_a_run_without_being_told(tmp_path):
