@@ -21,7 +21,15 @@ PANELS = [
     ("dynamic sampling", ["filtered_groups_fraction", "train_groups_without_signal"]),
     ("overlong responses", ["overlong_fraction", "overlong_penalty_mean"]),
     ("gradient norm", ["grad_norm"]),
-]
+    ("episodes", ["turns_mean", "model_token_fraction"]),
+    ("turn rewards", ["turn_reward_mean/*"]),
+    ("failed scores", [
+        "reward_errors", "reward_timeouts", "env_errors", "env_timeouts",
+        "groups_dropped_on_error",
+    ]),
+    ("tools", ["tool_calls_mean", "tool_errors", "tool_time_s", "episodes_in_flight_max"]),
+]  # fmt: skip
+COLUMNS = 4
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -33,7 +41,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "plots" / "training.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(3, 4, figsize=(17, 9.5), constrained_layout=True)
+    rows = -(-len(PANELS) // COLUMNS)
+    fig, axes = plt.subplots(rows, COLUMNS, figsize=(17, 3.2 * rows), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
