@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from benchmarks._served_model import served, write_served_model
+    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
     from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
 
     cpus = sorted(os.sched_getaffinity(0))

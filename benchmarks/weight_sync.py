@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks._ranks import run_ranks
-    from benchmarks._served_model import served, write_served_model
+    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
 
     cfg = model_config(args.layers)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))

@@ -352,6 +352,9 @@ class VLLMConfig(_Section):
     sync_host: str | None = None
     # Disk: a directory that the trainer and the servers both see.
     sync_dir: str | None = None
+    # Multi-turn episodes in flight on one server at a time (each advances on its own,
+    # megatron_gspo.episodes.concurrent).
+    max_inflight: int = 256
 
     @model_validator(mode="after")
     def _check_sync(self) -> VLLMConfig:
@@ -359,6 +362,8 @@ class VLLMConfig(_Section):
             raise ValueError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
         if self.bucket_mb <= 0:
             raise ValueError(f"rollout.vllm.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.max_inflight < 1:
+            raise ValueError(f"rollout.vllm.max_inflight must be >= 1, got {self.max_inflight}")
         return self
 
 

@@ -119,7 +119,7 @@ class Session:
 
         def more(round_: int) -> list[Sample]:
             prompts = self.stream.next_batch(self.recipe.rollout.prompts_per_step)
-            episodes = self.sampler.rollout(step, prompts, salt=round_)
+            episodes, _ = self.sampler.rollout(step, prompts, salt=round_)
             return self.scorer(prompts, episodes)[0]
 
         samples, filled = fill_with_signal(

@@ -136,7 +136,8 @@ def train(
         samples, metrics = run.scorer(batch.prompts, batch.episodes)
         samples = run.fill(step, samples, metrics)
         metrics.update(
-            staleness_metrics(samples, step - 1),
+            batch.stats,
+            **staleness_metrics(samples, step - 1),
             train_groups_without_signal=groups_without_signal(samples),
             rollout_batches_dropped=run.rollouts.dropped,
             prompts_skipped_overlong=run.stream.skipped,

@@ -14,10 +14,12 @@ from collections.abc import Callable, Mapping
 __all__ = ["check_kwargs", "resolve"]
 
 
-def resolve(name: str, builtins: Mapping[str, Callable], *, key: str, what: str) -> Callable:
-    """The built-in ``name``, or the callable ``package.module:attr`` names."""
+def resolve(name: str, builtins: Mapping[str, Callable | str], *, key: str, what: str) -> Callable:
+    """The built-in ``name`` (a callable, or the ``package.module:attr`` of one, imported
+    when asked for), or the callable ``package.module:attr`` names."""
     if name in builtins:
-        return builtins[name]
+        found = builtins[name]
+        return found if callable(found) else resolve(found, {}, key=key, what=what)
     if ":" not in name:
         raise ValueError(
             f"{key}: unknown {what} {name!r}; use one of {sorted(builtins)} or "

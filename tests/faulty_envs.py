@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from megatron_gspo.episodes.environment import RelayDigits, Step
+from megatron_gspo.episodes.environment import Step
+from megatron_gspo.episodes.relay import RelayDigits
 
 
 class FlakyRelay(RelayDigits):

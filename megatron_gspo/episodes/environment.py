@@ -7,7 +7,8 @@ The protocol is two methods on an object built once per worker process
   first observation is the record's prompt, which the episodes of a group share);
 - ``step(state, action) -> Step``: the model's turn as text in, the environment's answer out:
   an observation (the next environment turn's text), this turn's reward, whether the episode is
-  done, and the new state.
+  done, the new state, and counts for the run's metrics (``info``, summed over an episode:
+  the tool environment reports ``tool_calls``, ``tool_errors`` and ``tool_time_s``).
 
 Everything an episode carries lives in ``state``, which must be picklable: any worker can take
 an episode's next call, a worker killed at a deadline loses no other episode, and episodes in
@@ -16,8 +17,9 @@ deadline per call (``reward.timeout_s``, :mod:`megatron_gspo.workers`); a call t
 hangs or returns something malformed ends its episode (counted in ``env_errors`` /
 ``env_timeouts``), never the run.
 
-Chosen by name (``rollout.multi_turn.env``): a built-in (:data:`ENVIRONMENTS`) or
-``package.module:attr`` for a class (or factory) of the user's.
+Chosen by name (``rollout.multi_turn.env``): a built-in (:data:`ENVIRONMENTS`: ``relay_digits``,
+the tiny multi-turn task; ``tools``, tool calling) or ``package.module:attr`` for a class (or
+factory) of the user's.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megatron_gspo.data.rewards import digit_match, reward_value
+from megatron_gspo.data.rewards import reward_value
 from megatron_gspo.user_code import check_kwargs, resolve
 from megatron_gspo.workers import WorkerPool
 
@@ -36,7 +38,6 @@ __all__ = [
     "ENVIRONMENTS",
     "EnvironmentPool",
     "Environment",
-    "RelayDigits",
     "Step",
     "check_environment",
     "resolve_environment",
@@ -49,6 +50,7 @@ class Step:
     reward: float = 0.0
     done: bool = False
     state: Any = None
+    info: dict[str, float] = field(default_factory=dict)
 
 
 class Environment(Protocol):
@@ -57,37 +59,11 @@ class Environment(Protocol):
     def step(self, state: Any, action: str) -> Step: ...
 
 
-@dataclass
-class _RelayState:
-    targets: list[str]
-    turn: int = 0
-
-
-@dataclass
-class RelayDigits:
-    """The tiny multi-turn task (``data.task: relay_digits``): copy a digit string in every
-    turn, where each string after the first is revealed only by the environment's turn.
-
-    The record's answer holds one string per turn (``"12|4|907"``); the prompt shows the first
-    (``"12="``). After each model turn the environment rewards it with ``digit_match`` against
-    that turn's string and reveals the next one (``"4="``), until the strings run out. A
-    policy that ignores observations can earn the first turn's reward only.
-    """
-
-    separator: str = "|"
-
-    def reset(self, prompt: str, answer: str) -> _RelayState:
-        return _RelayState(answer.split(self.separator))
-
-    def step(self, state: _RelayState, action: str) -> Step:
-        reward = digit_match(action, state.targets[state.turn])
-        turn = state.turn + 1
-        done = turn == len(state.targets)
-        observation = "" if done else f"{state.targets[turn]}="
-        return Step(observation, reward, done, _RelayState(state.targets, turn))
-
-
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"relay_digits": RelayDigits}
+# Built-ins, imported when a recipe names them.
+ENVIRONMENTS: dict[str, str] = {
+    "relay_digits": "megatron_gspo.episodes.relay:RelayDigits",
+    "tools": "megatron_gspo.episodes.tool_env:ToolCalling",
+}
 
 
 def resolve_environment(name: str) -> Callable[..., Environment]:
@@ -107,7 +83,8 @@ def _checked_step(result: object) -> Step:
         raise TypeError(f"step's observation is {type(result.observation).__name__}, not str")
     if not isinstance(result.done, bool):
         raise TypeError(f"step's done is {result.done!r}, not a bool")
-    return Step(result.observation, reward_value(result.reward), result.done, result.state)
+    info = {str(k): reward_value(v) for k, v in dict(result.info).items()}
+    return Step(result.observation, reward_value(result.reward), result.done, result.state, info)
 
 
 def _env_handler(name: str, kwargs: dict) -> Callable:

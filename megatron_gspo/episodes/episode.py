@@ -52,6 +52,8 @@ class Episode:
     end: EndReason = "stop"
     # The environment's failure, where it failed (end is env_error or env_timeout).
     failure: str | None = None
+    # The environment's counts over the episode (its steps' info, summed), e.g. tool calls.
+    info: dict[str, float] = field(default_factory=dict)
     # MoE, where asked for: the experts of every token the model read, each as routed when it
     # was read, [prompt + tokens - 1, MoE layers, k] (megatron_gspo.model.routes).
     routes: np.ndarray | None = None

@@ -34,8 +34,18 @@ from megatron_gspo.rollout.protocol import (
     RolloutResult,
     SamplingParams,
 )
+from megatron_gspo.workers import Outcome
 
-__all__ = ["EpisodeRunner", "Verdict", "turn_seed"]
+__all__ = [
+    "EpisodeRunner",
+    "Held",
+    "Limits",
+    "Verdict",
+    "after_reset",
+    "apply_verdict",
+    "turn_seed",
+    "verdict",
+]
 
 T = TypeVar("T")
 
@@ -58,10 +68,11 @@ class Verdict:
     reward: float = 0.0
     done: bool = False
     observation_ids: tuple[int, ...] = ()
+    info: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
-class _Held:
+class Held:
     """An environment state (whatever the user's environment keeps, None included)."""
 
     state: Any
@@ -93,6 +104,7 @@ class EpisodeRunner:
         self.max_turns = max_turns
         self.max_seq_length = max_seq_length
         self.envs, self.render, self.decode, self.share = envs, render, decode, share
+        self.stats: dict[str, float] = {}
 
     def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
         """``group_size`` episodes for every prompt, grouped by prompt."""
@@ -133,13 +145,8 @@ class EpisodeRunner:
         futures: dict[int, Future] = {}
         for i in live:
             if isinstance(states[i], Future):
-                outcome = states[i].result()
-                states[i] = (
-                    _Held(outcome.value)
-                    if outcome.ok
-                    else Verdict(outcome.status, f"reset: {outcome.message}")
-                )
-            if isinstance(states[i], _Held):
+                states[i] = after_reset(states[i].result())
+            if isinstance(states[i], Held):
                 action = self.decode(episodes[i].turn_tokens(episodes[i].num_turns - 1))
                 futures[i] = self.envs.step(states[i].state, action)
         verdicts = []
@@ -147,14 +154,9 @@ class EpisodeRunner:
             if i not in futures:
                 verdicts.append(states[i])
                 continue
-            outcome = futures[i].result()
-            if not outcome.ok:
-                verdicts.append(Verdict(outcome.status, f"step: {outcome.message}"))
-                continue
-            step = outcome.value
-            states[i] = _Held(step.state)
-            ids = () if step.done else tuple(self.render(step.observation))
-            verdicts.append(Verdict("ok", reward=step.reward, done=step.done, observation_ids=ids))
+            verdicts.append(verdict(futures[i].result(), self.render))
+            if verdicts[-1].status == "ok":
+                states[i] = Held(futures[i].result().value.state)
         return verdicts
 
     def _advance(
@@ -168,23 +170,60 @@ class EpisodeRunner:
         params: SamplingParams,
     ) -> list[int]:
         """Apply the verdicts; the episodes that go on to another model turn."""
-        going_on = []
-        for i, c, v in zip(live, turns, verdicts, strict=True):
-            e = episodes[i]
-            if v.status != "ok":
-                e.end, e.failure = f"env_{v.status}", v.message  # type: ignore[assignment]
-                continue
-            e.turn_rewards.append(v.reward)
-            length = len(owners[i].token_ids) + len(e.token_ids) + len(v.observation_ids)
-            if c.finish_reason == "length":
-                e.end = "length"
-            elif v.done:
-                e.end = "done"
-            elif turn + 1 == self.max_turns:
-                e.end = "max_turns"
-            elif length + params.max_new_tokens > self.max_seq_length:
-                e.end = "budget"
-            else:
-                e.add_observation(list(v.observation_ids))
-                going_on.append(i)
-        return going_on
+        limits = Limits(self.max_turns, self.max_seq_length, params.max_new_tokens)
+        return [
+            i
+            for i, c, v in zip(live, turns, verdicts, strict=True)
+            if apply_verdict(episodes[i], len(owners[i].token_ids), c, v, turn, limits)
+        ]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int
+    max_seq_length: int
+    max_new_tokens: int
+
+
+def after_reset(outcome: Outcome) -> Held | Verdict:
+    """An environment's reset as the episode's state, or the verdict that ends it."""
+    if outcome.ok:
+        return Held(outcome.value)
+    return Verdict(outcome.status, f"reset: {outcome.message}")
+
+
+def verdict(outcome: Outcome, render: Callable[[str], list[int]]) -> Verdict:
+    """An environment step's outcome as what every rank needs of it (the observation as
+    ids, rendered where the environment runs)."""
+    if not outcome.ok:
+        return Verdict(outcome.status, f"step: {outcome.message}")
+    step = outcome.value
+    ids = () if step.done else tuple(render(step.observation))
+    return Verdict("ok", "", step.reward, step.done, ids, tuple(step.info.items()))
+
+
+def apply_verdict(
+    e: Episode, prompt_len: int, c: Completion, v: Verdict, turn: int, limits: Limits
+) -> bool:
+    """Record the environment's answer to the episode's last model turn (``c``, turn number
+    ``turn``); whether the episode goes on to another model turn. The rules of every
+    runner."""
+    if v.status != "ok":
+        e.end, e.failure = f"env_{v.status}", v.message  # type: ignore[assignment]
+        return False
+    e.turn_rewards.append(v.reward)
+    for key, value in v.info:
+        e.info[key] = e.info.get(key, 0.0) + value
+    length = prompt_len + len(e.token_ids) + len(v.observation_ids)
+    if c.finish_reason == "length":
+        e.end = "length"
+    elif v.done:
+        e.end = "done"
+    elif turn + 1 == limits.max_turns:
+        e.end = "max_turns"
+    elif length + limits.max_new_tokens > limits.max_seq_length:
+        e.end = "budget"
+    else:
+        e.add_observation(list(v.observation_ids))
+        return True
+    return False

@@ -1,10 +1,14 @@
 """How the loop samples a step's episodes: sampling parameters, seeds, where episodes run.
 
-With ``rollout.max_staleness: 0`` every rank runs the episodes together: the engine's
-``generate`` is collective (the embedded engine decodes on every rank; the others sample on
-rank 0 and share the result), and the environment's answers are computed on rank 0 and
-broadcast turn by turn. With ``K >= 1`` rank 0 runs them alone, in the rollout pipeline's
-thread (``generate_rank0``), and the finished batch is broadcast when a step takes it.
+The embedded engines run episodes in lock-step (:mod:`.runner`). With
+``rollout.max_staleness: 0`` every rank runs them together: the engine's ``generate`` is
+collective (the embedded engine decodes on every rank; the generation worker samples on rank 0
+and shares the result), and the environment's answers are computed on rank 0 and broadcast turn
+by turn. With ``K >= 1`` rank 0 runs them alone, in the rollout pipeline's thread
+(``generate_rank0``), and the finished batch is broadcast when a step takes it.
+
+Multi-turn episodes through vLLM advance each on its own (:mod:`.concurrent`), on rank 0; with
+``K = 0`` the finished batch is broadcast to every rank.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ import torch.distributed as dist
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt, PromptStream
+from megatron_gspo.episodes.concurrent import ConcurrentRunner
 from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.render import TurnRenderer
 from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.rollout.protocol import SamplingParams
+from megatron_gspo.rollout.vllm.engine import VLLMEngine
 
 __all__ = ["EpisodeSampler", "broadcast_from_rank0"]
+
+Sampled = tuple[list[list[Episode]], dict[str, float]]
 
 
 def broadcast_from_rank0(fn):
@@ -31,6 +39,19 @@ def broadcast_from_rank0(fn):
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class _Shared:
+    """A rank-0 runner's episodes (and stats) given to every rank (collective)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.stats = inner, {}
+
+    def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
+        episodes, self.stats = broadcast_from_rank0(
+            lambda: (self.inner.run(prompts, params), self.inner.stats)
+        )
+        return episodes
 
 
 class EpisodeSampler:
@@ -65,12 +86,15 @@ class EpisodeSampler:
             )
             self.envs.start()
 
-    def runner(self, *, alone: bool) -> EpisodeRunner | None:
-        """An episode runner for every rank together, or for rank 0 ``alone`` (None
-        elsewhere)."""
+    def runner(self, *, alone: bool):
+        """An episode runner (``run(prompts, params) -> episodes``) for every rank together,
+        or for rank 0 ``alone`` (None elsewhere)."""
         rank0 = dist.get_rank() == 0
         if alone and not rank0:
             return None
+        if self.multi is not None and isinstance(self.engine, VLLMEngine):
+            concurrent = self._concurrent() if rank0 else None
+            return concurrent if alone else _Shared(concurrent)
         return EpisodeRunner(
             self.engine.generate_rank0 if alone else self.engine.generate,
             multi_turn=self.multi is not None,
@@ -82,15 +106,29 @@ class EpisodeSampler:
             share=(lambda fn: fn()) if alone else broadcast_from_rank0,
         )
 
+    def _concurrent(self) -> ConcurrentRunner:
+        assert self.envs is not None and self.render is not None
+        return ConcurrentRunner(
+            self.engine.client,
+            self.engine.check_versions,
+            max_inflight=self.recipe.rollout.vllm.max_inflight,
+            max_turns=self.multi.max_turns,
+            max_seq_length=self.recipe.model.max_seq_length,
+            envs=self.envs,
+            render=self.render,
+            decode=self.stream.tokenizer.decode,
+        )
+
     def step_seed(self, step: int) -> int:
         """The sampling seed of a step's rollout batch."""
         return self.recipe.rollout.seed * 1_000_003 + step
 
-    def rollout(self, step: int, prompts: list[Prompt], *, salt: int = 0) -> list[list[Episode]]:
-        """The step's episodes, on every rank (collective); ``salt`` varies the seed for more
-        batches within a step (dynamic sampling)."""
+    def rollout(self, step: int, prompts: list[Prompt], *, salt: int = 0) -> Sampled:
+        """The step's episodes and how they were sampled, on every rank (collective); ``salt``
+        varies the seed for more batches within a step (dynamic sampling)."""
         seed = self.step_seed(step) * 1_009 + salt if salt else self.step_seed(step)
-        return self.runner(alone=False).run(prompts, replace(self.params, seed=seed))
+        runner = self.runner(alone=False)
+        return runner.run(prompts, replace(self.params, seed=seed)), dict(runner.stats)
 
     def rollouts(self, *, next_step: int) -> OnPolicyRollouts | RolloutPipeline:
         """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""
@@ -103,8 +141,9 @@ class EpisodeSampler:
             return OnPolicyRollouts(self.rollout, draw)
         runner = self.runner(alone=True)
 
-        def ahead(step: int, prompts: list[Prompt]) -> list[list[Episode]]:
-            return runner.run(prompts, replace(self.params, seed=self.step_seed(step)))
+        def ahead(step: int, prompts: list[Prompt]) -> Sampled:
+            episodes = runner.run(prompts, replace(self.params, seed=self.step_seed(step)))
+            return episodes, dict(runner.stats)
 
         return RolloutPipeline(
             ahead if runner is not None else None, draw, max_staleness=k, next_step=next_step

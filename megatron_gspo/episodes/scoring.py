@@ -241,6 +241,14 @@ def _metrics(
     }
 
 
+# The environment's counts (Step.info) as step metrics: per episode on average, or in all.
+_INFO_METRICS = {
+    "tool_calls": ("tool_calls_mean", "mean"),
+    "tool_errors": ("tool_errors", "sum"),
+    "tool_time_s": ("tool_time_s", "sum"),
+}
+
+
 def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     tokens = sum(len(e.token_ids) for e in episodes)
     out = {
@@ -249,6 +257,11 @@ def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env_errors": float(sum(e.end == "env_error" for e in episodes)),
         "env_timeouts": float(sum(e.end == "env_timeout" for e in episodes)),
     }
+    keys = sorted({k for e in episodes for k in e.info})
+    for key in keys:
+        name, how = _INFO_METRICS.get(key, (f"env_info/{key}_mean", "mean"))
+        total = sum(e.info.get(key, 0.0) for e in episodes)
+        out[name] = total / len(episodes) if how == "mean" else total
     most = max(len(e.turn_rewards) for e in episodes)
     for k in range(most):
         rewards = [e.turn_rewards[k] for e in episodes if len(e.turn_rewards) > k]

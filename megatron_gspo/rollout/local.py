@@ -127,8 +127,11 @@ class LocalEngine:
         done = torch.zeros(n, dtype=torch.bool)
         lengths = torch.full((n,), params.max_new_tokens)
         for t in range(params.max_new_tokens):
+            allowed = logits
+            if t < params.min_new_tokens and len(stop):
+                allowed = logits.index_fill(-1, stop, float("-inf"))
             nxt = sample_tokens(
-                logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+                allowed, temperature=params.temperature, top_p=params.top_p, generator=generator
             )
             logprobs[:, t] = torch.log_softmax(logits.float(), -1).gather(-1, nxt[:, None])[:, 0]
             pos = width + t

@@ -28,7 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -42,8 +42,9 @@ __all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline"]
 log = logging.getLogger(__name__)
 
 
-# Samples a step's episodes: (step, prompts) -> group_size episodes per prompt.
-Rollout = Callable[[int, list[Prompt]], list[list[Episode]]]
+# Samples a step's episodes: (step, prompts) -> group_size episodes per prompt, and figures
+# of how they were sampled (episodes_in_flight_max).
+Rollout = Callable[[int, list[Prompt]], tuple[list[list[Episode]], dict[str, float]]]
 
 
 @dataclass
@@ -53,12 +54,14 @@ class Batch:
     step: int
     prompts: list[Prompt]
     episodes: list[list[Episode]]
+    stats: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "prompts": [asdict(p) for p in self.prompts],
             "episodes": [[e.to_json() for e in g] for g in self.episodes],
+            "stats": self.stats,
         }
 
     @classmethod
@@ -70,7 +73,8 @@ class Batch:
                 [Episode.from_completion(Completion.from_json(c)) for c in g]
                 for g in data["completions"]
             ]
-        return cls(int(data["step"]), [Prompt(**p) for p in data["prompts"]], episodes)
+        prompts = [Prompt(**p) for p in data["prompts"]]
+        return cls(int(data["step"]), prompts, episodes, dict(data.get("stats", {})))
 
 
 class OnPolicyRollouts:
@@ -83,7 +87,7 @@ class OnPolicyRollouts:
 
     def take(self, step: int, current_version: int) -> Batch:
         prompts = self.draw(step)
-        return Batch(step, prompts, self.rollout(step, prompts))
+        return Batch(step, prompts, *self.rollout(step, prompts))
 
     def pause(self) -> None:
         pass
@@ -141,7 +145,7 @@ class RolloutPipeline:
         assert self._pool is not None and self.rollout is not None
 
         def job() -> Batch:
-            return Batch(step, prompts, self.rollout(step, prompts))
+            return Batch(step, prompts, *self.rollout(step, prompts))
 
         return self._pool.submit(job)
 

@@ -18,6 +18,9 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    # No stop id ends a response before this many tokens (vLLM's min_tokens); log-probs stay
+    # the policy's own.
+    min_new_tokens: int = 0
     seed: int = 0
     # Return each token's experts with the completions (MoE; Completion.routes).
     return_routes: bool = False

@@ -4,7 +4,9 @@ Generation
     One ``POST /v1/completions`` per prompt, with the prompt as token ids, ``n=group_size``,
     ``logprobs=0`` (the sampled token's log-prob) and ``return_token_ids=true`` (the exact
     generated ids, not text to re-tokenize). Prompts are spread round-robin over the servers
-    and sent concurrently from a thread pool; vLLM batches them. Each prompt gets the seed
+    and sent concurrently from one asyncio event loop (``httpx``); vLLM batches them. A
+    multi-turn episode sends each turn this way, its whole history as the prompt's ids
+    (:mod:`megatron_gspo.episodes.concurrent`). Each prompt gets the seed
     ``seed + prompt_index * group_size`` and vLLM gives the ``i``-th sample of a request
     ``seed + i``, so every sample has its own reproducible stream. ``ignore_eos`` is set and
     the stop ids are sent explicitly, so a response stops exactly on ``stop_token_ids`` (as
@@ -21,15 +23,16 @@ Worker RPCs
     ``POST /collective_rpc`` runs a method of the server's worker extension on every worker
     (see :mod:`.extension`); the answer is one result per worker.
 
-Every request carries ``Authorization: Bearer <job key>``. HTTP is the standard library's
-``urllib``: the requests are few and large, and it adds no dependency. Connection errors and
-5xx answers are retried with exponential backoff; when a server stays unreachable,
-:class:`VLLMUnavailableError` names its URL. Timeouts are not retried (a server that took
-``request_timeout_s`` once will likely do it again).
+Every request carries ``Authorization: Bearer <job key>``. Worker RPCs and health checks use
+the standard library's ``urllib`` (few, large, sequential); generation uses ``httpx``.
+Connection errors and 5xx answers are retried with exponential backoff; when a server stays
+unreachable, :class:`VLLMUnavailableError` names its URL. Timeouts are not retried (a server
+that took ``request_timeout_s`` once will likely do it again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -39,7 +42,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -194,16 +196,7 @@ class VLLMClient:
             if status >= 500:
                 last, server_error = f"HTTP {status}: {raw[:2000].decode(errors='replace')}", True
                 continue
-            if status == 401:
-                raise VLLMRequestError(
-                    f"vLLM server {url} refused {path}: wrong or missing job key (set "
-                    "$MEGATRON_GSPO_VLLM_KEY to the key the server was started with)"
-                )
-            if status >= 400:
-                raise VLLMRequestError(
-                    f"vLLM server {url} refused {path} (HTTP {status}): "
-                    f"{raw[:2000].decode(errors='replace')}"
-                )
+            _raise_for_refusal(url, path, status, raw[:2000].decode(errors="replace"))
             return json.loads(raw) if raw.strip() else None
         error = VLLMServerError if server_error else VLLMUnavailableError
         raise error(f"vLLM server {url} unavailable ({path}, {retries + 1} attempts): {last}")
@@ -243,10 +236,8 @@ class VLLMClient:
 
     # -- generation --------------------------------------------------------------------------
 
-    def complete(
-        self, url: str, prompt: list[int], params: SamplingParams, seed: int
-    ) -> list[Completion]:
-        """``group_size`` samples for one prompt from one server."""
+    def completion_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict:
+        """The ``/v1/completions`` request for ``group_size`` samples of one prompt."""
         body: dict[str, Any] = {
             "prompt": prompt,
             "n": params.group_size,
@@ -255,13 +246,17 @@ class VLLMClient:
             "top_p": params.top_p,
             "seed": seed,
             "stop_token_ids": list(params.stop_token_ids),
+            "min_tokens": params.min_new_tokens,
             "ignore_eos": True,
             "logprobs": 0,
             "return_token_ids": True,
         }
         if self.model is not None:
             body["model"] = self.model
-        answer = self.call(url, "/v1/completions", body)
+        return body
+
+    def completions(self, url: str, answer: dict, params: SamplingParams) -> list[Completion]:
+        """A ``/v1/completions`` answer as completions, checked."""
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != params.group_size:
             raise VLLMRequestError(
@@ -291,24 +286,68 @@ class VLLMClient:
             )
         return np.sort(routes[:, self.moe_layers], axis=-1)
 
+    # -- asynchronous generation ---------------------------------------------------------------
+
+    def session(self):
+        """An asynchronous HTTP client for :meth:`complete` (one per event loop), carrying the
+        job key and at most ``max_concurrent_requests`` connections."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.AsyncClient(
+            headers=headers,
+            timeout=self.request_timeout_s,
+            limits=httpx.Limits(max_connections=self.max_concurrent_requests),
+        )
+
+    async def complete(
+        self, http, url: str, prompt: list[int], params: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """``group_size`` samples of one prompt from one server, in an event loop; connection
+        errors and 5xx answers are retried with backoff, like :meth:`call`."""
+        import httpx
+
+        path, body = "/v1/completions", self.completion_body(prompt, params, seed)
+        last, server_error = "", False
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                reply = await http.post(url + path, json=body)
+            except httpx.TimeoutException as e:
+                raise VLLMUnavailableError(
+                    f"vLLM server {url} did not answer {path} within {self.request_timeout_s:.0f} s"
+                ) from e
+            except httpx.TransportError as e:
+                last, server_error = f"{type(e).__name__}: {e}", False
+                continue
+            if reply.status_code >= 500:
+                last, server_error = f"HTTP {reply.status_code}: {reply.text[:2000]}", True
+                continue
+            _raise_for_refusal(url, path, reply.status_code, reply.text)
+            return self.completions(url, reply.json(), params)
+        error = VLLMServerError if server_error else VLLMUnavailableError
+        raise error(
+            f"vLLM server {url} unavailable ({path}, {self.max_retries + 1} attempts): {last}"
+        )
+
     def generate(self, request: RolloutRequest) -> RolloutResult:
-        """All prompts, spread round-robin over the servers, sent concurrently."""
-        params = request.params
+        """All prompts, spread round-robin over the servers, requested concurrently from one
+        event loop."""
         if not request.prompts:
             return RolloutResult([])
-        workers = min(len(request.prompts), self.max_concurrent_requests)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm") as pool:
-            futures = [
-                pool.submit(
-                    self.complete,
-                    self.server_for(i),
-                    prompt,
-                    params,
-                    params.seed + i * params.group_size,
-                )
-                for i, prompt in enumerate(request.prompts)
-            ]
-            return RolloutResult([f.result() for f in futures])
+        return asyncio.run(self._generate(request))
+
+    async def _generate(self, request: RolloutRequest) -> RolloutResult:
+        p = request.params
+        async with self.session() as http:
+            groups = await asyncio.gather(
+                *[
+                    self.complete(http, self.server_for(i), prompt, p, p.seed + i * p.group_size)
+                    for i, prompt in enumerate(request.prompts)
+                ]
+            )
+        return RolloutResult(list(groups))
 
     def server_for(self, prompt_index: int) -> str:
         return self.urls[prompt_index % len(self.urls)]
@@ -323,6 +362,17 @@ class VLLMClient:
         raise VLLMRequestError(
             f"vLLM server {url} could not reset its prefix cache (requests still running?)"
         )
+
+
+def _raise_for_refusal(url: str, path: str, status: int, text: str) -> None:
+    """A 4xx answer as an error naming the server (a wrong job key by name)."""
+    if status == 401:
+        raise VLLMRequestError(
+            f"vLLM server {url} refused {path}: wrong or missing job key (set "
+            "$MEGATRON_GSPO_VLLM_KEY to the key the server was started with)"
+        )
+    if status >= 400:
+        raise VLLMRequestError(f"vLLM server {url} refused {path} (HTTP {status}): {text[:2000]}")
 
 
 def _completion(url: str, choice: dict[str, Any]) -> Completion:

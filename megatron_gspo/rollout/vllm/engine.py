@@ -106,7 +106,9 @@ class VLLMEngine:
             out[url] = held.pop() if len(held) == 1 else f"mixed {sorted(map(str, held))}"
         return out
 
-    def _check_versions(self) -> dict[str, Any]:
+    def check_versions(self) -> dict[str, Any]:
+        """Every server's weights version, refusing a failed sync or a server that holds
+        another version than the last synced one (rank 0)."""
         if self._failed_sync is not None:
             raise VLLMRequestError(
                 f"the weight sync to version {self._failed_sync} failed; the servers "
@@ -130,7 +132,7 @@ class VLLMEngine:
         """Sample on the servers from rank 0 alone (no collectives: it may run in a thread
         beside the trainer's); each completion is stamped with its server's weights version."""
         assert self.client is not None, "generate_rank0 runs on global rank 0"
-        versions = self._check_versions()
+        versions = self.check_versions()
         result = self.client.generate(request)
         for i, group in enumerate(result.completions):
             version = versions[self.client.server_for(i)]

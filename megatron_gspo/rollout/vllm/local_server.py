@@ -1,8 +1,11 @@
-"""A random-weight Hugging Face model directory that a CPU vLLM server can serve.
+"""A vLLM server on this machine for a recipe's model: single-node runs, tests, benchmarks.
 
-Weights through the disk sync's own writer; a word-level tokenizer (the ``tokenizers`` library
-vLLM brings) whose vocabulary is exactly the model's, since vLLM's completions need one even
-when prompts are token ids.
+:func:`write_served_model` writes a Hugging Face directory of the model's shape with random
+weights (the trainer replaces them with its own at start-up, through the weight sync) and a
+word-level tokenizer whose vocabulary is exactly the model's (vLLM's completions need one even
+when prompts are token ids; the trainer never reads its text). :func:`served` runs a server on
+it as ``megatron-gspo launch`` starts them (worker extension, job key, development mode).
+``tools/serve_vllm.py RECIPE`` does both for a recipe whose ``rollout.engine`` is ``vllm``.
 """
 
 from __future__ import annotations
@@ -58,15 +61,20 @@ def served(
     url = f"http://127.0.0.1:{port}"
     full_env = {**server_env(key), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     cmd = server_command(str(model_dir), host="127.0.0.1", port=port, extra_args=extra_args)
+    log_path = model_dir.parent / "server.log"
     pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-    with open(model_dir.parent / "server.log", "w") as log:
+    with open(log_path, "w") as log:
         server = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
             preexec_fn=pin,
         )  # fmt: skip
         try:
             t0 = time.perf_counter()
-            wait_until_healthy([url], timeout_s=600, interval_s=1)
+            try:
+                wait_until_healthy([url], timeout_s=600, interval_s=1)
+            except Exception as e:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+                raise RuntimeError(f"{e}\n--- {log_path} ---\n{tail}") from None
             print(f"server ready in {time.perf_counter() - t0:.0f} s ({url})")
             yield url, key
         finally:

@@ -1,0 +1,167 @@
+"""Tool-using episodes through vLLM: lock-step turns against concurrent episodes.
+
+One CPU vLLM server (this project's extension and key) serves a tiny Qwen3-MoE (turns of
+``--new-tokens`` tokens, ended by a stop id, never cut at the limit). 64 episodes,
+each of 1 to 5 tool turns (drawn per episode with a fixed seed), call a tool whose latency is
+drawn per call from a lognormal (median 100 ms, sigma 1, fixed seed: real tools have long
+tails). Both ways use the same server, environment workers, draws and sampling seeds:
+
+- lock-step (:class:`~megatron_gspo.episodes.runner.EpisodeRunner`): turn k of every live
+  episode is sampled in one batch, then all their tool calls run in parallel, and only then
+  turn k + 1: each turn waits for its slowest call;
+- concurrent (:class:`~megatron_gspo.episodes.concurrent.ConcurrentRunner`): each episode
+  requests its next turn as soon as its own tool call returns.
+
+Each way runs ``--repeats`` times, alternating; the figure is the median episodes/s. The last
+line: ``multi_turn: lockstep <X> episodes/s, concurrent <Y> episodes/s, ratio <Y/X>``.
+
+    python benchmarks/multi_turn.py [--episodes 64] [--repeats 3] [--workers 64]
+
+Needs vllm (``.ci/vllm-setup.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class _Calls:
+    turns: int
+    seed: int
+    done: int = 0
+
+
+class LatencyTool:
+    """An environment whose every turn is a tool call taking a lognormal time; the episode's
+    number of tool turns and its seed come with its record (``answer: "turns:seed"``)."""
+
+    def __init__(self, median_s: float = 0.1, sigma: float = 1.0) -> None:
+        self.mu, self.sigma = math.log(median_s), sigma
+
+    def reset(self, prompt: str, answer: str) -> _Calls:
+        turns, seed = answer.split(":")
+        return _Calls(int(turns), int(seed))
+
+    def step(self, state: _Calls, action: str):
+        from megatron_gspo.episodes.environment import Step
+
+        if state.done == state.turns:
+            return Step(done=True)
+        rng = random.Random(f"{state.seed}:{state.done}")
+        latency = rng.lognormvariate(self.mu, self.sigma)
+        time.sleep(latency)
+        after = _Calls(state.turns, state.seed, state.done + 1)
+        return Step("result", 0.0, False, after, {"tool_calls": 1.0, "tool_time_s": latency})
+
+
+def model_config():
+    from megatron_gspo.config import ModelConfig
+
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=64,
+        vocab_size=64,
+        max_seq_length=256,
+        num_experts=4,
+        moe_ffn_hidden_size=64,
+        moe_router_topk=2,
+        rotary_base=10000,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--median-s", type=float, default=0.1, help="the tool's median latency")
+    args = parser.parse_args()
+
+    from megatron_gspo.data.prompts import Prompt
+    from megatron_gspo.episodes.concurrent import ConcurrentRunner
+    from megatron_gspo.episodes.environment import EnvironmentPool
+    from megatron_gspo.episodes.runner import EpisodeRunner
+    from megatron_gspo.rollout.protocol import SamplingParams
+    from megatron_gspo.rollout.vllm.client import VLLMClient
+    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+
+    cfg = model_config()
+    draws = random.Random(0)
+    prompts = [
+        Prompt("", f"{draws.randint(1, 5)}:{k}", [draws.randrange(2, 60) for _ in range(8)])
+        for k in range(args.episodes)
+    ]
+    # One more model turn than tool turns: the last answers without a call.
+    max_turns = 6
+    # Every id stops a turn once it has --new-tokens tokens: turns of equal length, none cut
+    # at the limit, so every episode makes exactly its drawn number of tool calls.
+    params = SamplingParams(
+        group_size=1,
+        max_new_tokens=args.new_tokens + 1,
+        min_new_tokens=args.new_tokens,
+        stop_token_ids=tuple(range(cfg.vocab_size)),
+        seed=7,
+    )
+    work = Path(tempfile.mkdtemp(prefix="gspo-multi-turn-"))
+    model_dir = write_served_model(work / "model", cfg)
+    extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
+    extra += ["--max-num-seqs", str(args.episodes)]
+    envs = EnvironmentPool(
+        "benchmarks.multi_turn:LatencyTool",
+        {"median_s": args.median_s},
+        timeout_s=60,
+        workers=args.workers,
+    )
+    envs.start()
+    with served(model_dir, extra) as (url, key):
+        client = VLLMClient([url], api_key=key, request_timeout_s=300, max_concurrent_requests=512)
+        common = dict(
+            max_seq_length=cfg.max_seq_length,
+            envs=envs,
+            render=lambda text: [5, 6, 7],
+            decode=lambda ids: "",
+        )
+        lockstep = EpisodeRunner(client.generate, multi_turn=True, max_turns=max_turns, **common)
+        concurrent = ConcurrentRunner(
+            client, lambda: {url: None}, max_inflight=args.episodes, max_turns=max_turns, **common
+        )
+        concurrent.run(prompts[:4], params)  # warm the server
+        rates: dict[str, list[float]] = {"lockstep": [], "concurrent": []}
+        for repeat in range(args.repeats):
+            for name, runner in (("lockstep", lockstep), ("concurrent", concurrent)):
+                t0 = time.perf_counter()
+                groups = runner.run(prompts, params)
+                elapsed = time.perf_counter() - t0
+                calls = sum(e.info.get("tool_calls", 0) for g in groups for e in g)
+                rates[name].append(args.episodes / elapsed)
+                most = runner.stats.get("episodes_in_flight_max", args.episodes)
+                print(
+                    f"repeat {repeat} {name:10s} {elapsed:6.2f} s  {args.episodes / elapsed:6.2f} "
+                    f"episodes/s  {calls:.0f} tool calls  in flight max {most:.0f}",
+                    flush=True,
+                )
+    envs.close()
+    x, y = statistics.median(rates["lockstep"]), statistics.median(rates["concurrent"])
+    print(
+        f"multi_turn: lockstep {x:.2f} episodes/s, concurrent {y:.2f} episodes/s, ratio {y / x:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

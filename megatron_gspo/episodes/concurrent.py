@@ -1,0 +1,128 @@
+"""Concurrent episodes through vLLM: each episode advances on its own.
+
+Lock-step (:mod:`.runner`) waits, at every turn, for the slowest environment call of the batch
+before any episode samples its next turn. Here every episode is an asyncio task on global
+rank 0: it requests its next turn from its server as soon as its environment (a tool call,
+say) has answered, so environment time hides behind other episodes' generation, and a
+straggler holds up only itself. Each turn is one ``/v1/completions`` request with the
+episode's whole history as prompt ids (token-in, token-out; vLLM's prefix cache makes the
+history cheap to read again); environment calls run in the environment's worker processes and
+are awaited as futures. At most ``rollout.vllm.max_inflight`` episodes of one server are in
+flight at a time; a group's episodes go to one server, which reads their shared prompt once.
+
+Seeds: episode ``k`` (of the batch, group by group) samples its turn ``t`` with
+``turn_seed(seed, t) + k``; its first turn is the sample lock-step's first request gives it.
+Every turn is stamped with the weights version its server held: the engine syncs only between
+batches, with nothing in flight, so the turns of one episode share one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from megatron_gspo.data.prompts import Prompt
+from megatron_gspo.episodes.environment import EnvironmentPool
+from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.runner import (
+    Held,
+    Limits,
+    Verdict,
+    after_reset,
+    apply_verdict,
+    turn_seed,
+    verdict,
+)
+from megatron_gspo.rollout.protocol import SamplingParams
+
+__all__ = ["ConcurrentRunner"]
+
+
+class ConcurrentRunner:
+    """Runs episodes on rank 0 against vLLM servers, each on its own.
+
+    ``client`` is the engine's :class:`~megatron_gspo.rollout.vllm.client.VLLMClient`;
+    ``versions()`` checks every server's weights version and returns them by URL.
+    """
+
+    def __init__(
+        self,
+        client,
+        versions: Callable[[], dict[str, Any]],
+        *,
+        max_inflight: int,
+        max_turns: int,
+        max_seq_length: int,
+        envs: EnvironmentPool,
+        render: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.client, self.versions = client, versions
+        self.max_inflight, self.max_turns, self.max_seq_length = (
+            max_inflight,
+            max_turns,
+            max_seq_length,
+        )
+        self.envs, self.render, self.decode = envs, render, decode
+        self.stats: dict[str, float] = {}
+
+    def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
+        """``group_size`` episodes for every prompt, grouped by prompt."""
+        if not prompts:
+            return []
+        versions = self.versions()
+        episodes = asyncio.run(self._run(prompts, params, versions))
+        g = params.group_size
+        return [episodes[k : k + g] for k in range(0, len(episodes), g)]
+
+    async def _run(self, prompts: list[Prompt], params: SamplingParams, versions) -> list:
+        gates = {url: asyncio.Semaphore(self.max_inflight) for url in self.client.urls}
+        self._in_flight = self._most = 0
+        g = params.group_size
+        async with self.client.session() as http:
+            episodes = await asyncio.gather(
+                *[
+                    self._episode(http, k, prompts[k // g], params, gates, versions)
+                    for k in range(len(prompts) * g)
+                ]
+            )
+        self.stats = {"episodes_in_flight_max": float(self._most)}
+        return list(episodes)
+
+    async def _episode(self, http, k: int, prompt: Prompt, params, gates, versions) -> Episode:
+        url = self.client.server_for(k // params.group_size)
+        limits = Limits(self.max_turns, self.max_seq_length, params.max_new_tokens)
+        async with gates[url]:
+            self._in_flight += 1
+            self._most = max(self._most, self._in_flight)
+            try:
+                return await self._turns(http, url, k, prompt, params, limits, versions[url])
+            finally:
+                self._in_flight -= 1
+
+    async def _turns(self, http, url, k, prompt, params, limits, version) -> Episode:
+        e = Episode()
+        reset = asyncio.wrap_future(self.envs.reset(prompt.text, prompt.answer))
+        state: Held | Verdict | None = None
+        for turn in range(self.max_turns):
+            sampling = replace(params, group_size=1, seed=turn_seed(params.seed, turn) + k)
+            [c] = await self.client.complete(
+                http, url, prompt.token_ids + e.token_ids, sampling, sampling.seed
+            )
+            c.policy_version = version if isinstance(version, int) else None
+            e.add_model_turn(c)
+            if state is None:
+                state = after_reset(await reset)
+            if isinstance(state, Verdict):
+                v = state
+            else:
+                action = self.decode(e.turn_tokens(turn))
+                outcome = await asyncio.wrap_future(self.envs.step(state.state, action))
+                v = verdict(outcome, self.render)
+                if outcome.ok:
+                    state = Held(outcome.value.state)
+            if not apply_verdict(e, len(prompt.token_ids), c, v, turn, limits):
+                break
+        return e

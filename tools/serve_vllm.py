@@ -1,0 +1,58 @@
+"""Serve a recipe's model from vLLM on this machine, for a single-node run of a vLLM recipe.
+
+    python tools/serve_vllm.py recipes/tiny-multi-turn-vllm.yaml [--dir DIR] [--port-file F]
+
+Writes a Hugging Face directory of the recipe's model shape (random weights: the trainer sends
+its own at start-up) and starts a vLLM server on 127.0.0.1 as ``megatron-gspo launch`` does
+(worker extension, job key, development mode), then prints what the trainer needs:
+
+    export MEGATRON_GSPO_VLLM_URLS=http://127.0.0.1:PORT MEGATRON_GSPO_VLLM_KEY=...
+
+and serves until interrupted. On a CPU the server runs in fp32 with eager execution; it needs
+``vllm`` (``.ci/vllm-setup.sh`` on a CPU machine, ``megatron-gspo[gpu]`` on a GPU one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--dir", help="where to write the served model (default: a temp dir)")
+    parser.add_argument("--port-file", help="also write the two export lines to this file")
+    args = parser.parse_args()
+
+    import torch
+
+    from megatron_gspo.extras import require_extra
+    from megatron_gspo.recipe import load_recipe
+    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+
+    recipe = load_recipe(args.recipe)
+    require_extra("vllm", "Serving the recipe's model from vLLM")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="gspo-vllm-"))
+    model_dir = write_served_model(work / "model", recipe.model)
+    extra = ["--max-model-len", str(recipe.model.max_seq_length), "--seed", "0"]
+    if not torch.cuda.is_available():
+        extra += ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "256"]
+    with served(model_dir, extra, env={"VLLM_CPU_KVCACHE_SPACE": "2"}) as (url, key):
+        lines = f"export MEGATRON_GSPO_VLLM_URLS={url} MEGATRON_GSPO_VLLM_KEY={key}\n"
+        print(lines, end="", flush=True)
+        if args.port_file:
+            Path(args.port_file).write_text(lines)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
