@@ -3,7 +3,9 @@ and the scoring of failed samples."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +19,12 @@ from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.render import TurnRenderer
 from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
-from megatron_gspo.rollout.protocol import Completion, RolloutResult, SamplingParams
+from megatron_gspo.rollout.protocol import (
+    Completion,
+    RolloutRequest,
+    RolloutResult,
+    SamplingParams,
+)
 from tests.qwen_style import make_tokenizer_dir
 
 TASK = SyntheticTask("relay_digits", min_len=1, max_len=3, turns=3)
@@ -345,3 +352,94 @@ def test_turn_level_credit_reaches_each_token_of_its_turn():
     turn2 = -0.5 / (math.sqrt(0.5) + 1e-6)  # {0, 1}: mean 0.5, sample std sqrt(1/2)
     want = [0.0, 0.0, 0.0, 0.0, turn2, turn2]
     assert tok_a == pytest.approx(want) and mask_a == [1, 1, 0, 0, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------
+# Concurrent episodes (the vLLM engine's runner), against an engine that answers in-process
+# ------------------------------------------------------------------------------------------
+
+
+class _Session:
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+class FakeServers:
+    """Two "servers" answering each request with the copying policy after a short wait."""
+
+    urls = ["http://a", "http://b"]
+
+    def __init__(self, **policy) -> None:
+        self.generate, self.calls = copying_policy(**policy)
+        self.busy = {url: 0 for url in self.urls}
+        self.most = 0
+
+    def server_for(self, index: int) -> str:
+        return self.urls[index % len(self.urls)]
+
+    def session(self) -> _Session:
+        return _Session()
+
+    async def complete(self, http, url, prompt, params, seed):
+        self.busy[url] += 1
+        self.most = max(self.most, self.busy[url])
+        await asyncio.sleep(0.01)
+        self.busy[url] -= 1
+        return self.generate(RolloutRequest([prompt], replace(params, seed=seed))).completions[0]
+
+
+def test_concurrent_episodes_follow_the_same_rules_and_bound_what_is_in_flight(relay):
+    from megatron_gspo.episodes.concurrent import ConcurrentRunner
+
+    servers = FakeServers()
+    concurrent = ConcurrentRunner(
+        servers,
+        lambda: {url: 7 for url in servers.urls},
+        max_inflight=2,
+        max_turns=3,
+        max_seq_length=64,
+        envs=relay,
+        render=TOK.encode,
+        decode=TOK.decode,
+    )
+    ps = prompts(4)
+    groups = concurrent.run(ps, PARAMS)
+    generate, _ = copying_policy()
+    lockstep = runner(generate, relay).run(ps, PARAMS)
+    # The copying policy answers alike whatever the seed: the two runners' episodes agree.
+    for got, want in zip(sum(groups, []), sum(lockstep, []), strict=True):
+        assert (got.token_ids, got.mask, got.turn_ids) == (want.token_ids, want.mask, want.turn_ids)
+        assert got.turn_rewards == want.turn_rewards == [1.0, 1.0, 1.0] and got.end == "done"
+        assert got.versions == [7, 7, 7]
+    assert concurrent.stats["episodes_in_flight_max"] == 4  # 2 per server
+    assert servers.most <= 2
+    # Seeds: episode k samples turn t with turn_seed(seed, t) + k.
+    seeds = sorted({c.params.seed for c in servers.calls})
+    assert PARAMS.seed in seeds and PARAMS.seed + 7 in seeds
+
+
+def test_concurrent_episodes_end_alone_on_a_failing_environment():
+    from megatron_gspo.episodes.concurrent import ConcurrentRunner
+
+    pool = EnvironmentPool(
+        "tests.faulty_envs:FlakyRelay", {"hang_on": ""}, timeout_s=1.0, workers=2
+    )
+    servers = FakeServers()
+    try:
+        groups = ConcurrentRunner(
+            servers,
+            lambda: {url: None for url in servers.urls},
+            max_inflight=8,
+            max_turns=3,
+            max_seq_length=64,
+            envs=pool,
+            render=TOK.encode,
+            decode=TOK.decode,
+        ).run(prompts(2), PARAMS)
+    finally:
+        pool.close()
+    for e in sum(groups, []):
+        assert e.end == "env_timeout" and e.num_turns == 1 and e.versions == [None]

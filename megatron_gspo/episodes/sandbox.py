@@ -10,7 +10,8 @@ everything it started. Before it starts, the child process:
   Where the kernel allows neither, the code is not run at all and the call fails, naming why;
 - limits its address space (``RLIMIT_AS``), CPU seconds, file size and open files.
 
-What comes back is stdout and stderr, each cut to ``max_output_chars``. This is a sandbox
+What comes back is stdout and stderr, each cut to ``max_output_chars`` (stdout's start,
+stderr's end, where a traceback says what went wrong). This is a sandbox
 against accidents and runaway code (an infinite loop, a memory bomb, a download), not against
 an adversary with kernel exploits: run untrusted models' code on machines you can afford to
 lose, as for any RL-with-code setup.
@@ -83,8 +84,13 @@ def _limits(memory_mb: int, cpu_s: int):
     return apply
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} chars cut]"
+def _cut(text: str, limit: int, *, keep_end: bool = False) -> str:
+    """At most ``limit`` characters of ``text``: its start, or its end (a traceback's last
+    lines say what went wrong)."""
+    if len(text) <= limit:
+        return text
+    cut = f"[{len(text) - limit} chars cut]"
+    return f"{cut} ...{text[-limit:]}" if keep_end else f"{text[:limit]}... {cut}"
 
 
 def run_python(
@@ -122,5 +128,6 @@ def run_python(
         errors += f"\nkilled by signal {-proc.returncode} (memory or CPU limit?)"
     body = _cut(text, max_output_chars)
     if errors.strip():
-        body += ("\n" if body else "") + "stderr:\n" + _cut(errors.strip(), max_output_chars)
+        tail = _cut(errors.strip(), max_output_chars, keep_end=True)
+        body += ("\n" if body else "") + "stderr:\n" + tail
     return PythonResult(proc.returncode == 0, body, seconds)
