@@ -115,6 +115,8 @@ class GSPOTrainer:
         # tell each other: pipeline stages without variable_seq_lengths, and the allgather
         # expert dispatcher (alltoall, the GPU default, takes uneven splits).
         config = policy.config
+        # Micro-batches are built on the CPU and moved to the model's device (a GPU's).
+        self.device = next(policy.model.parameters()).device
         self.fixed_shapes = (
             config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths
         ) or (
@@ -173,7 +175,7 @@ class GSPOTrainer:
                 ),
                 self.cp_size,
                 cp_rank,
-            )
+            ).to(self.device)
             for idx in per_rank[self.groups.dp_rank]
         ]
 
@@ -261,7 +263,8 @@ class GSPOTrainer:
                 if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
-                    diff += torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
+                    sums = torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
+                    diff += sums.to(diff)
                 mb.old_logprobs = lp
         self.policy.train(True)
         # Each replica measured its own samples, once: sum over the world.
@@ -340,7 +343,7 @@ class GSPOTrainer:
         routes = mb.routes
         if routes is None and self.replay == "rollout":
             model = self.recipe.model
-            filler = torch.arange(model.moe_router_topk, dtype=torch.int16)
+            filler = torch.arange(model.moe_router_topk, dtype=torch.int16, device=self.device)
             routes = filler.expand(*mb.tokens.shape, len(model.moe_layers), len(filler))
         if routes is None or self.policy.router_stats is None:
             return None
