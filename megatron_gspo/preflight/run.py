@@ -82,6 +82,7 @@ def run_preflight(size_name: str, *, recipe: Recipe | None = None) -> Report:
         )
     device = _device()
     report = Report(size_name)
+    report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with report.part("environment") as part:
         part.figures.update(env.device_summary(device))
         te, te_text = env.transformer_engine()
@@ -89,7 +90,6 @@ def run_preflight(size_name: str, *, recipe: Recipe | None = None) -> Report:
         part.figures["transformer-engine"] = te_text
         part.figures["FP8"] = "supported" if fp8_ok else f"unavailable: {fp8_why}"
         part.figures["vllm"] = env.vllm_summary()
-        report.device = str(part.figures["device"]) if device.type == "cuda" else "cpu"
     if recipe is not None:
         with report.part("recipe") as part:
             figures, missing = env.recipe_report(recipe)
