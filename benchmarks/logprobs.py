@@ -16,60 +16,22 @@ import argparse
 import gc
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 
 # Run as a script from a checkout: import this checkout's package, not an installed copy.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_gspo.loss import gspo_loss, token_logprobs  # noqa: E402
+from megatron_gspo.preflight.measure import (  # noqa: E402
+    naive_logprobs,
+    peak_extra_memory,
+    sync,
+)
 
 GiB = 1024**3
-
-
-class RssSampler:
-    """Peak resident set size of this process, sampled in a background thread."""
-
-    def __init__(self, interval_s: float = 1e-3) -> None:
-        self.interval_s = interval_s
-        self.process = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> RssSampler:
-        self.baseline = self.process.memory_info().rss
-        self.peak = self.baseline
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.baseline
-
-
-def naive_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def fwd_bwd(fn: Callable, x: torch.Tensor, targets: torch.Tensor, g: torch.Tensor):
@@ -82,18 +44,7 @@ def fwd_bwd(fn: Callable, x: torch.Tensor, targets: torch.Tensor, g: torch.Tenso
 def measure(name, fn, x, targets, g, repeats, device):
     """One memory-measured run (which also warms up), then ``repeats`` timed runs."""
     x.grad = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        lp = fwd_bwd(fn, x, targets, g)
-        sync(device)
-        extra = torch.cuda.max_memory_allocated() - base
-    else:
-        with RssSampler() as sampler:
-            lp = fwd_bwd(fn, x, targets, g)
-        extra = sampler.extra
+    extra, lp = peak_extra_memory(lambda: fwd_bwd(fn, x, targets, g), device)
     times = []
     for _ in range(repeats):
         x.grad = None

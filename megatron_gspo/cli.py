@@ -154,6 +154,42 @@ def plot(run_dir: str, out: str | None) -> None:
         raise click.ClickException(str(e)) from None
 
 
+@main.command()
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "h100", "h200"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: CPU-sized; h100, h200: a Qwen3-30B-A3B slice filling one such GPU.",
+)
+@click.option(
+    "--recipe",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also report which optional packages this recipe needs that are missing here.",
+)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def preflight(size: str, recipe: str | None, json_out: str | None) -> None:
+    """Prove this node ready before a large job: versions, TE and FP8, vLLM, NCCL, matrix and
+    copy rates, the loss layer, one GSPO step of a Qwen3-30B-A3B slice and the embedded engine.
+
+    Exit 0: every part that ran passed; 1: a part failed; 3: the recipe needs a missing extra."""
+    import json
+    from pathlib import Path
+
+    from megatron_gspo.preflight.run import PreflightError, run_preflight
+
+    try:
+        report = run_preflight(size, recipe=load_recipe(recipe) if recipe else None)
+    except (RecipeError, PreflightError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(report.table())
+    if json_out:
+        Path(json_out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    click.echo(report.summary())
+    sys.exit(report.exit_code())
+
+
 main.add_command(launch)
 main.add_command(plan)
 

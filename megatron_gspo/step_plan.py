@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_gspo.config import Recipe
@@ -38,9 +39,12 @@ class MiniBatchPlan:
 
 
 class StepPlanner:
-    def __init__(self, recipe: Recipe, groups: ParallelGroups, config) -> None:
-        """``config`` is the model's Megatron ``TransformerConfig``."""
-        self.recipe, self.groups = recipe, groups
+    def __init__(
+        self, recipe: Recipe, groups: ParallelGroups, config, device: torch.device
+    ) -> None:
+        """``config`` is the model's Megatron ``TransformerConfig``; micro-batches are built on
+        the CPU and moved to ``device``, the model's."""
+        self.recipe, self.groups, self.device = recipe, groups, device
         # Context parallelism splits every sequence into 2 x CP chunks, sequence parallelism
         # each CP rank's share over the TP ranks: pad sequences and rows to multiples.
         parallel = recipe.parallel
@@ -109,6 +113,6 @@ class StepPlanner:
                 ),
                 self.cp_size,
                 cp_rank,
-            )
+            ).to(self.device)
             for idx in per_rank[self.groups.dp_rank]
         ]

@@ -89,7 +89,9 @@ class GSPOTrainer:
         self.kl_coef = self.recipe.loss.kl_coef
         self.kl_metrics = ("kl_ref",) if self.kl_coef > 0 else ()
         self.unit_weight = "num_valid_tokens" if self.loss_name == "grpo" else "num_valid_sequences"
-        self.planner = StepPlanner(self.recipe, self.groups, policy.config)
+        # Micro-batches are built on the CPU and moved to the model's device (a GPU's).
+        self.device = next(policy.model.parameters()).device
+        self.planner = StepPlanner(self.recipe, self.groups, policy.config, self.device)
         self.cp_size = self.planner.cp_size
 
     def plan(self, samples: list[Sample]) -> list[MiniBatchPlan]:
@@ -179,7 +181,8 @@ class GSPOTrainer:
                 if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
-                    diff += torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
+                    sums = torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
+                    diff += sums.to(diff)
                 mb.old_logprobs = lp
         self.policy.train(True)
         # Each replica measured its own samples, once: sum over the world.
@@ -261,7 +264,7 @@ class GSPOTrainer:
         routes = mb.routes
         if routes is None and self.replay == "rollout":
             model = self.recipe.model
-            filler = torch.arange(model.moe_router_topk, dtype=torch.int16)
+            filler = torch.arange(model.moe_router_topk, dtype=torch.int16, device=self.device)
             routes = filler.expand(*mb.tokens.shape, len(model.moe_layers), len(filler))
         if routes is None or self.policy.router_stats is None:
             return None

@@ -23,7 +23,7 @@ across data-parallel ranks in every forward); a rank with fewer is given empty o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -121,6 +121,15 @@ class MicroBatch:
     def __post_init__(self) -> None:
         if self.has_rollout_logprobs and self.behaviour_logprobs is None:
             self.behaviour_logprobs = self.old_logprobs.clone()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (the model's)."""
+        moved = {
+            f.name: value.to(device)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
     def packed_seq_params(self, cp_group=None) -> PackedSeqParams | None:
         """Megatron's description of the packed row for attention and RoPE (None if padded)."""

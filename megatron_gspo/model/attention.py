@@ -90,7 +90,8 @@ class SegmentAttention(MegatronModule):
             return self._attend(query, key, value, k_pos[None, :] > q_pos[:, None])
         if attention_mask is None:
             sq, sk = query.shape[0], key.shape[0]
-            attention_mask = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
+            attention_mask = attention_mask.triu(sk - sq + 1)
         return self._attend(query, key, value, attention_mask)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:

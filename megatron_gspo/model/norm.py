@@ -26,7 +26,12 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         # fixed_eps (from the layer spec) overrides the config's epsilon Megatron passes in.
         self.eps = eps if fixed_eps is None else fixed_eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Where Megatron's own layers put their weights: the current GPU unless told otherwise
+        # (None: the default device, or the one a `with torch.device(...)` block sets).
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=device)
+        )
         # Read by finalize_model_grads: under sequence parallelism each TP rank sees a slice of
         # the sequence, so this weight's gradient is a partial sum across the TP group.
         self.weight.sequence_parallel = config.sequence_parallel

@@ -43,7 +43,9 @@ class ParallelGroups:
 def _init_default_group() -> None:
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # On a GPU, CPU tensors (step metrics, flags every rank agrees on) go over gloo and CUDA
+    # tensors over NCCL: a default group of NCCL alone refuses the CPU ones.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         # A plain `python` run: a world of one.
         with socket.socket() as s:

@@ -45,6 +45,8 @@ class LocalEngine:
                 "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"
             )
         self.model = model
+        # Decoding tensors and the random stream live where the weights do (a GPU's).
+        self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.use_cache = use_cache
         self.version: int | None = None
@@ -60,7 +62,7 @@ class LocalEngine:
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> RolloutResult:
         params = request.params
-        generator = torch.Generator().manual_seed(params.seed)
+        generator = torch.Generator(self.device).manual_seed(params.seed)
         flat = [p for p in request.prompts for _ in range(params.group_size)]
         out: list[Completion] = []
         was_training = self.model.training
@@ -104,16 +106,18 @@ class LocalEngine:
         lengths, finished)."""
         n, width = len(prompts), max(len(p) for p in prompts)
         total = width + params.max_new_tokens
-        pad = torch.tensor([width - len(p) for p in prompts])
+        dev = self.device
+        pad = torch.tensor([width - len(p) for p in prompts], device=dev)
         tokens = torch.zeros(n, total, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, width - len(p) : width] = torch.tensor(p)
-        key_pad = torch.arange(total)[None] < pad[:, None]  # True where a key is padding
-        causal = torch.triu(torch.ones(total, total, dtype=torch.bool), 1)
-        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+        tokens = tokens.to(dev)
+        key_pad = torch.arange(total, device=dev)[None] < pad[:, None]  # True: a key is padding
+        causal = torch.triu(torch.ones(total, total, dtype=torch.bool, device=dev), 1)
+        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev)
 
         ctx = StaticInferenceContext(n, total) if self.use_cache else None
-        positions = torch.arange(total)[None].expand(n, total)
+        positions = torch.arange(total, device=dev)[None].expand(n, total)
         logits = self._forward(
             tokens[:, :width],
             positions[:, :width],
@@ -123,9 +127,9 @@ class LocalEngine:
         if ctx is not None:
             ctx.sequence_len_offset = width
 
-        logprobs = torch.zeros(n, params.max_new_tokens)
-        done = torch.zeros(n, dtype=torch.bool)
-        lengths = torch.full((n,), params.max_new_tokens)
+        logprobs = torch.zeros(n, params.max_new_tokens, device=dev)
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        lengths = torch.full((n,), params.max_new_tokens, device=dev)
         for t in range(params.max_new_tokens):
             allowed = logits
             if t < params.min_new_tokens and len(stop):
@@ -157,7 +161,7 @@ class LocalEngine:
                     causal[None, None, :end, :end] | key_pad[:, None, None, :end],
                     None,
                 )[:, -1]
-        return tokens, pad, width, logprobs, lengths, done
+        return tokens.cpu(), pad.cpu(), width, logprobs.cpu(), lengths.cpu(), done.cpu()
 
     def _completions(self, tokens, pad, width, logprobs, lengths, done, routes):
         completions = []
@@ -186,4 +190,4 @@ class LocalEngine:
         n, k]``: its prompt (after its left padding), then its response but the last token,
         which was sampled and never read."""
         rows = routes[:, int(pad[i]) : width + new - 1, i].transpose(0, 1)
-        return rows.numpy().astype(route_dtype(self.model.config.num_moe_experts))
+        return rows.cpu().numpy().astype(route_dtype(self.model.config.num_moe_experts))
