@@ -390,6 +390,10 @@ class MultiTurnConfig(_Section):
     # The chat role an observation is rendered as (data.chat_template): "user", or "tool" for
     # tool results.
     observation_role: Literal["user", "tool"] = "user"
+    # A model turn cut at rollout.max_new_tokens (no stop token) ends its episode: a chat
+    # transcript cannot go on from a half-written message. Tasks that tolerate one (the tiny
+    # ones) may go on.
+    end_on_cut_turn: bool = True
     # Environment worker processes (default: the CPU count, at most 8).
     workers: int | None = None
 

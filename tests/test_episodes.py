@@ -87,6 +87,7 @@ def runner(generate, envs, **kw) -> EpisodeRunner:
         multi_turn=True,
         max_turns=kw.pop("max_turns", 3),
         max_seq_length=kw.pop("max_seq_length", 64),
+        end_on_cut_turn=kw.pop("end_on_cut_turn", True),
         envs=envs,
         render=TOK.encode,
         decode=TOK.decode,
@@ -145,6 +146,10 @@ def test_episodes_end_at_the_turn_limit_the_budget_or_a_cut_turn(relay):
     generate, _ = copying_policy(chatty_from=1)
     e = runner(generate, relay).run(prompts(1), PARAMS)[0][0]
     assert e.num_turns == 2 and e.end == "length" and e.truncated
+    # Where the task tolerates a cut turn, the episode goes on.
+    generate, _ = copying_policy(chatty_from=1)
+    e = runner(generate, relay, end_on_cut_turn=False).run(prompts(1), PARAMS)[0][0]
+    assert e.num_turns == 3 and e.end == "done" and e.truncated
 
 
 def test_single_turn_is_the_engines_completions_as_they_are():

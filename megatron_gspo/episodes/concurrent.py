@@ -55,6 +55,7 @@ class ConcurrentRunner:
         max_inflight: int,
         max_turns: int,
         max_seq_length: int,
+        end_on_cut_turn: bool = True,
         envs: EnvironmentPool,
         render: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
@@ -65,6 +66,7 @@ class ConcurrentRunner:
             max_turns,
             max_seq_length,
         )
+        self.end_on_cut_turn = end_on_cut_turn
         self.envs, self.render, self.decode = envs, render, decode
         self.stats: dict[str, float] = {}
 
@@ -93,7 +95,9 @@ class ConcurrentRunner:
 
     async def _episode(self, http, k: int, prompt: Prompt, params, gates, versions) -> Episode:
         url = self.client.server_for(k // params.group_size)
-        limits = Limits(self.max_turns, self.max_seq_length, params.max_new_tokens)
+        limits = Limits(
+            self.max_turns, self.max_seq_length, params.max_new_tokens, self.end_on_cut_turn
+        )
         async with gates[url]:
             self._in_flight += 1
             self._most = max(self._most, self._in_flight)

@@ -57,6 +57,8 @@ class Episode:
     # MoE, where asked for: the experts of every token the model read, each as routed when it
     # was read, [prompt + tokens - 1, MoE layers, k] (megatron_gspo.model.routes).
     routes: np.ndarray | None = None
+    # Whether the last model turn was cut at rollout.max_new_tokens (overlong shaping).
+    last_turn_cut: bool = False
 
     @classmethod
     def from_completion(cls, c: Completion) -> Episode:
@@ -83,6 +85,7 @@ class Episode:
         self.logprobs += list(c.logprobs)
         self.turn_ids += [turn] * len(c.token_ids)
         self.versions.append(c.policy_version)
+        self.last_turn_cut = c.finish_reason == "length"
         if c.routes is not None:
             # Keep each token's route from the forward that first read it: this turn's rows
             # start where the earlier turns' end (their last token was read only now).
@@ -105,7 +108,7 @@ class Episode:
     @property
     def truncated(self) -> bool:
         """Whether the last model turn was cut at the token limit (overlong shaping)."""
-        return self.end == "length"
+        return self.last_turn_cut
 
     @property
     def model_tokens(self) -> int:

@@ -8,7 +8,8 @@ turns send each live episode's whole context (prompt and every turn so far, as i
 sample each. An episode ends when the environment says done, fails, or its model turn was cut
 at ``rollout.max_new_tokens``; at ``rollout.multi_turn.max_turns`` model turns; or when the next
 observation and turn would not fit ``model.max_seq_length``. An observation is appended only
-when a model turn follows it.
+when a model turn follows it. (``rollout.multi_turn.end_on_cut_turn: false`` lets an episode go
+on after a cut turn, for tasks that tolerate one: the tiny ones.)
 
 The embedded engine re-reads each episode's context at every turn (one prefill of prompt and
 history, then decoding from its KV cache): Megatron's static inference context keeps one
@@ -94,6 +95,7 @@ class EpisodeRunner:
         multi_turn: bool,
         max_turns: int = 1,
         max_seq_length: int,
+        end_on_cut_turn: bool = True,
         envs: EnvironmentPool | None = None,
         render: Callable[[str], list[int]] | None = None,
         decode: Callable[[list[int]], str] | None = None,
@@ -103,6 +105,7 @@ class EpisodeRunner:
         self.multi_turn = multi_turn
         self.max_turns = max_turns
         self.max_seq_length = max_seq_length
+        self.end_on_cut_turn = end_on_cut_turn
         self.envs, self.render, self.decode, self.share = envs, render, decode, share
         self.stats: dict[str, float] = {}
 
@@ -170,7 +173,9 @@ class EpisodeRunner:
         params: SamplingParams,
     ) -> list[int]:
         """Apply the verdicts; the episodes that go on to another model turn."""
-        limits = Limits(self.max_turns, self.max_seq_length, params.max_new_tokens)
+        limits = Limits(
+            self.max_turns, self.max_seq_length, params.max_new_tokens, self.end_on_cut_turn
+        )
         return [
             i
             for i, c, v in zip(live, turns, verdicts, strict=True)
@@ -183,6 +188,8 @@ class Limits:
     max_turns: int
     max_seq_length: int
     max_new_tokens: int
+    # Whether a model turn cut at max_new_tokens ends its episode (rollout.multi_turn).
+    end_on_cut_turn: bool = True
 
 
 def after_reset(outcome: Outcome) -> Held | Verdict:
@@ -215,7 +222,7 @@ def apply_verdict(
     for key, value in v.info:
         e.info[key] = e.info.get(key, 0.0) + value
     length = prompt_len + len(e.token_ids) + len(v.observation_ids)
-    if c.finish_reason == "length":
+    if c.finish_reason == "length" and limits.end_on_cut_turn:
         e.end = "length"
     elif v.done:
         e.end = "done"
