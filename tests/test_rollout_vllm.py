@@ -264,7 +264,7 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
             "ranks got other rollouts"
         )
     for version, r in enumerate(rounds, 1):
-        print(f"sync {version}: {r['sync']}")
+        print(f"sync {version}: prompt log-probs {r['prompt_diff']:.1e} off; {r['sync']}")
         assert r["before"] != r["local"], f"sync {version}: the server already had these weights"
         assert r["after"] == r["local"], (
             f"after sync {version} the server samples something else than the trainer"
@@ -283,8 +283,8 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
         assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
 
 
-@requires_vllm
-@pytest.mark.parametrize(
+# The MoE layouts every MoE family's sync is checked in.
+moe_sync_layouts = pytest.mark.parametrize(
     "world,parallel,weight_sync",
     [
         (1, ParallelConfig(), "collective"),
@@ -293,6 +293,10 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
     ],
     ids=["collective-1rank", "collective-ep2", "disk-1rank"],
 )
+
+
+@requires_vllm
+@moe_sync_layouts
 def test_after_each_sync_the_moe_server_computes_what_the_trainer_does(
     moe_server, moe_dir, tmp_path, world, parallel, weight_sync
 ):
