@@ -39,6 +39,7 @@ from megatron_gspo.model.routes import check_routes
 from megatron_gspo.parallel import init_parallel
 from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import RolloutRequest, RolloutResult, SamplingParams, make_engine
+from megatron_gspo.rollout.kl_guard import RolloutKLGuard
 from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.rollout.protocol import Completion
 from megatron_gspo.train_step import GSPOTrainer
@@ -312,6 +313,7 @@ def train(
         logger.log(0, run_eval(0))
     rollouts.resume()
     bar = _progress(total, start, enabled=rank0)
+    kl_guard = RolloutKLGuard.from_recipe(recipe)
     step, stopping = start, False
     for step in range(start + 1, total + 1):
         t0 = time.perf_counter()
@@ -367,6 +369,7 @@ def train(
         )
         logger.log(step, metrics)
         _report(bar, step, total, metrics)
+        kl_guard.check(step, metrics)  # a sampler that disagrees stops the run, once logged
         stopping = stop.any_rank()
         if step % recipe.run.checkpoint_every == 0 or step == total or stopping or improved:
             # Batches already generated for later steps are saved, so a resumed run trains on
