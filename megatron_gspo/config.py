@@ -438,11 +438,26 @@ class RolloutConfig(_Section):
     # Episodes with environment turns; None: one model turn per prompt.
     multi_turn: MultiTurnConfig | None = None
     vllm: VLLMConfig = VLLMConfig()
+    # Stop the run (an error naming the figure) when rollout_kl_k3, the sampler's log-probs
+    # against the trainer's old policy (mean k3 per token), stays above max_rollout_kl for
+    # max_rollout_kl_steps consecutive steps: the engine samples another distribution than the
+    # trainer scores. null: never. README ("A sampler that disagrees") says how the default
+    # was chosen.
+    max_rollout_kl: float | None = 0.05
+    max_rollout_kl_steps: int = 3
 
     @model_validator(mode="after")
     def _check_staleness(self) -> RolloutConfig:
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_rollout_kl is not None and not self.max_rollout_kl > 0:
+            raise ValueError(
+                f"rollout.max_rollout_kl must be > 0 (or null: no limit), got {self.max_rollout_kl}"
+            )
+        if self.max_rollout_kl_steps < 1:
+            raise ValueError(
+                f"rollout.max_rollout_kl_steps must be >= 1, got {self.max_rollout_kl_steps}"
+            )
         if self.dynamic_sampling is not None and self.max_staleness:
             raise ValueError(
                 "rollout.dynamic_sampling samples more prompts within a step, which the "

@@ -20,6 +20,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.prompts import DataError
     from megatron_gspo.extras import MissingExtraError
     from megatron_gspo.recipe import RecipeError
+    from megatron_gspo.rollout.kl_guard import RolloutMismatchError
     from megatron_gspo.rollout.vllm.client import VLLMRequestError, VLLMUnavailableError
     from megatron_gspo.rollout.vllm.sync import WeightSyncError
     from megatron_gspo.weights.safetensors_io import SafetensorsError
@@ -32,6 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         VLLMRequestError,
         VLLMUnavailableError,
         WeightSyncError,
+        RolloutMismatchError,
         SafetensorsError,
         pickle.UnpicklingError,
         FileNotFoundError,

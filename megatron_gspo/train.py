@@ -32,6 +32,7 @@ from megatron_gspo.data.packing import Sample
 from megatron_gspo.dynamic_sampling import groups_without_signal
 from megatron_gspo.errors import PREEMPTED_MARKER
 from megatron_gspo.parallel import init_parallel
+from megatron_gspo.rollout.kl_guard import RolloutKLGuard
 from megatron_gspo.rollout.pipeline import Batch
 from megatron_gspo.session import Session
 
@@ -124,6 +125,7 @@ def train(
         run.logger.log(0, run.evaluate(0))
     run.rollouts.resume()
     bar = _progress(total, run.start, enabled=rank0)
+    kl_guard = RolloutKLGuard.from_recipe(recipe)
     step, stopping = run.start, False
     for step in range(run.start + 1, total + 1):
         t0 = time.perf_counter()
@@ -172,6 +174,8 @@ def train(
         )
         run.logger.log(step, metrics)
         _report(bar, step, total, metrics)
+        # A sampler that keeps disagreeing with the trainer stops the run (before its save).
+        kl_guard.check(step, metrics)
         stopping = stop.any_rank()
         if step % recipe.run.checkpoint_every == 0 or step == total or stopping or improved:
             run.save(step, best=improved)

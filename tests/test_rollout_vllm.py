@@ -4,9 +4,9 @@ One server per model and module (loading one takes ~25 s), started as ``launch``
 (worker extension, job-key middleware). The tests check what the trainer relies on: grouped
 samples with exact token ids and the policy's own log-probs (against a teacher-forced
 transformers forward); after each of two successive weight syncs (collective at 1 rank, EP2 and
-TP2, and disk), greedy samples and prompt log-probs equal to the Megatron trainer's own; a
-manifest that does not match the served model refused by name; routes closed without the
-job's key; and a server that hangs, dies or is down named promptly.
+TP2, and disk), greedy samples and prompt log-probs equal to the Megatron trainer's own and the
+norms byte for byte; a manifest that does not match the served model refused by name; routes
+closed without the job's key; and a server that hangs, dies or is down named promptly.
 
 The tests that start a server skip where ``vllm`` is not importable (``.ci/vllm-setup.sh``
 builds the environment); those that need no server run everywhere: the client is plain HTTP.
@@ -186,6 +186,31 @@ def _trainer_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
+def _one_dim_mismatches(client: VLLMClient, cfg, full: dict[str, torch.Tensor]) -> list[str]:
+    """The 1-D tensors (norms, DeepSeek's expert bias, which goes in fp32) whose bytes on the
+    server differ from the trainer's: vLLM's SHA-256 of every served parameter (dev mode's
+    ``/weight_checker``, per worker) against the trainer's full tensor (a plain copy under its
+    HF name) in the dtype it is sent in. Matrices are left out: vLLM fuses and repacks them."""
+    import hashlib
+
+    from megatron_gspo.weights.hf import HFMapping
+
+    mapping = HFMapping(cfg)
+    served = client.call(client.urls[0], "/weight_checker", {"action": "checksum"})["checksums"]
+    workers = {k.rsplit(":", 1)[0] for k in served}
+    bad, compared = [], 0
+    for megatron_name, t in full.items():
+        if t.ndim != 1:
+            continue
+        (name,) = mapping.by_megatron[megatron_name].hf
+        sent = t.to(mapping.hf_dtype(name, torch.float32)).contiguous()
+        digest = hashlib.sha256(sent.view(torch.uint8).numpy()).hexdigest()
+        bad += [f"{w}:{name}" for w in workers if served.get(f"{w}:{name}") != digest]
+        compared += 1
+    assert compared and workers, "no 1-D tensor compared"
+    return bad
+
+
 def _sync_and_compare(rank, world, cfg, parallel, url, key, vllm_cfg, seeds):
     """After each sync of new trainer weights: the server's greedy samples and prompt log-probs
     against the trainer's own (LocalEngine and a forward of the same Megatron model)."""
@@ -205,11 +230,13 @@ def _sync_and_compare(rank, world, cfg, parallel, url, key, vllm_cfg, seeds):
     client = VLLMClient([url], api_key=key, request_timeout_s=120, max_retries=1)
     rounds = []
     for version, seed in enumerate(seeds, 1):
-        load_full_state_dict(model, random_full_state_dict(cfg, seed))
+        full = random_full_state_dict(cfg, seed)
+        load_full_state_dict(model, full)
         local = LocalEngine(model).generate(request)
         before = engine.generate(request)
         engine.sync_weights(version)
         after = engine.generate(request)
+        exact = _one_dim_mismatches(client, cfg, full) if rank == 0 else []
         prompt_diff = 0.0
         for prompt in (p for p in PROMPTS if len(p) > 1):
             trainer = _trainer_prompt_logprobs(model, prompt)
@@ -225,6 +252,7 @@ def _sync_and_compare(rank, world, cfg, parallel, url, key, vllm_cfg, seeds):
                 "after_lp": [g[0].logprobs for g in after.completions],
                 "versions": [g[0].policy_version for g in after.completions],
                 "prompt_diff": prompt_diff,
+                "one_dim_mismatches": exact,
                 "sync": engine.last_sync,
             }
         )
@@ -264,7 +292,7 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
             "ranks got other rollouts"
         )
     for version, r in enumerate(rounds, 1):
-        print(f"sync {version}: {r['sync']}")
+        print(f"sync {version}: prompt log-probs {r['prompt_diff']:.1e} off; {r['sync']}")
         assert r["before"] != r["local"], f"sync {version}: the server already had these weights"
         assert r["after"] == r["local"], (
             f"after sync {version} the server samples something else than the trainer"
@@ -279,12 +307,15 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
             f"{r['prompt_diff']:.2e}"
         )
         assert r["versions"] == [version] * len(PROMPTS), f"samples stamped {r['versions']}"
+        assert not r["one_dim_mismatches"], (
+            f"sync {version}: served bytes differ from the trainer's: {r['one_dim_mismatches']}"
+        )
     if weight_sync == "disk":
         assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
 
 
-@requires_vllm
-@pytest.mark.parametrize(
+# The MoE layouts every MoE family's sync is checked in.
+moe_sync_layouts = pytest.mark.parametrize(
     "world,parallel,weight_sync",
     [
         (1, ParallelConfig(), "collective"),
@@ -293,6 +324,10 @@ def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) 
     ],
     ids=["collective-1rank", "collective-ep2", "disk-1rank"],
 )
+
+
+@requires_vllm
+@moe_sync_layouts
 def test_after_each_sync_the_moe_server_computes_what_the_trainer_does(
     moe_server, moe_dir, tmp_path, world, parallel, weight_sync
 ):

@@ -7,7 +7,9 @@ with the ``tokenizers`` library on a synthetic corpus so that every id of the vo
 token (vLLM detokenizes whatever the random model samples).
 
 vLLM's CPU attention needs ``head_dim`` 64 (or another size its kernels support; 16 fails with
-"Unsupported CPU attention configuration").
+"Unsupported CPU attention configuration"); its CPU multi-latent attention needs a
+``kv_lora_rank + qk_rope_head_dim`` latent of 576 (512 + 64, DeepSeek-V3's own; smaller ones
+fail with "Head dimension ... is not supported by MLA").
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.config import ModelConfig
+from megatron_gspo.config import MLAConfig, ModelConfig
 from megatron_gspo.procs import free_port
 from megatron_gspo.weights.hf import HFMapping
 
@@ -42,6 +44,32 @@ VLLM_TINY_MOE = ModelConfig(
 # The same without experts.
 VLLM_TINY_DENSE = VLLM_TINY_MOE.model_copy(
     update=dict(num_experts=None, moe_ffn_hidden_size=None, ffn_hidden_size=96)
+)
+# The DeepSeek-V3 family: multi-latent attention with DeepSeek-V3's head and latent sizes, a
+# dense first layer, then an MoE layer with a shared expert and sigmoid routing whose choice
+# depends on the expert bias and on the groups (8 experts in 4 groups, the best 2, top-4).
+VLLM_TINY_DEEPSEEK = VLLM_TINY_MOE.model_copy(
+    update=dict(
+        num_query_groups=4,
+        head_dim=192,
+        mla=MLAConfig(
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        ffn_hidden_size=96,
+        dense_layers=[0],
+        num_experts=8,
+        moe_router_topk=4,
+        moe_router_score_function="sigmoid",
+        moe_router_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=32,
+    )
 )
 EOS_ID = 1
 
@@ -82,7 +110,8 @@ def train_tokenizer(vocab_size: int):
 
 
 def write_tiny_model(path: Path, cfg: ModelConfig = VLLM_TINY_MOE, seed: int = 0) -> Path:
-    """Write a Qwen3(-MoE) HF directory (weights from :func:`random_full_state_dict`)."""
+    """Write a Qwen3(-MoE) or DeepSeek-V3 HF directory: ``config.json`` as the project
+    exports it, weights from :func:`random_full_state_dict`."""
     import transformers
     from transformers import PreTrainedTokenizerFast
 

@@ -27,6 +27,7 @@ __all__ = [
     "hf_config_from_model_config",
     "load_hf_config",
     "model_config_from_hf",
+    "model_family",
 ]
 
 _ARCHITECTURES = {
@@ -273,7 +274,8 @@ def _groups(
     return int(groups), int(group_topk)
 
 
-def _family(model: ModelConfig) -> str:
+def model_family(model: ModelConfig) -> str:
+    """The Hugging Face ``model_type`` of the model: qwen3, qwen3_moe or deepseek_v3."""
     if model.mla is not None:
         return "deepseek_v3"
     return "qwen3_moe" if model.is_moe else "qwen3"
@@ -287,7 +289,7 @@ def hf_config_from_model_config(model: ModelConfig) -> dict[str, Any]:
     5.x maps to ``num_local_experts``. A model no Hugging Face family represents exactly (an
     MoE with multi-latent attention but softmax routing, say) is refused.
     """
-    family = _family(model)
+    family = model_family(model)
     rope: dict[str, Any] = {"rope_theta": model.rotary_base, "rope_type": "default"}
     if model.rope_scaling is not None:
         rope.update(rope_type="yarn", **model.rope_scaling.model_dump())
@@ -345,7 +347,7 @@ def _export_refuses(model: ModelConfig, **features: bool) -> None:
     used = [name for name, on in features.items() if on]
     if used:
         raise HFConfigError(
-            f"a {_family(model)} model has no Hugging Face form with {', '.join(used)}"
+            f"a {model_family(model)} model has no Hugging Face form with {', '.join(used)}"
         )
 
 

@@ -17,6 +17,10 @@ the CPU prepacks the expert weights into the grouped-GEMM layout (same shape, so
 errors: the experts silently compute with raw weights). Dropping the kernel of every fused-MoE
 layer whose kernel has such a step makes the reload take the first-load path, prepack included.
 
+One correction for multi-latent attention on vLLM's CPU build: importing this module routes
+the rotary embedding of MLA's queries and keys away from a CPU kernel that misreads their
+layout (:mod:`.cpu_rope`).
+
 Versions: a worker reports the weights version it holds: ``None`` for the checkpoint it was
 started with, the trainer's version after a complete sync, and ``"partial"`` from the moment a
 sync starts until it completes, so a half-updated server is never mistaken for either.
@@ -34,11 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.rollout.vllm.auth import KEY_ENV
+from megatron_gspo.rollout.vllm.cpu_rope import fix_cpu_rotary_embedding
 from megatron_gspo.rollout.vllm.transport import Manifest, SyncGroup, receive_buckets
 
 __all__ = ["PARTIAL", "WeightSyncExtension"]
 
 PARTIAL = "partial"
+
+# vLLM imports this module in every worker before it builds the model: the moment to correct
+# its CPU rotary kernel for multi-latent attention (DeepSeek-V3 family; see cpu_rope).
+fix_cpu_rotary_embedding()
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""Stop a run whose sampler disagrees with its trainer: ``rollout.max_rollout_kl``.
+
+``rollout_kl_k3`` is the mean k3 estimate, per response token, of KL(sampler || old policy): the
+rollout engine's log-probs of its own samples against the trainer's recomputed ones
+(:meth:`~megatron_gspo.train_step.GSPOTrainer.compute_old_logprobs`). A sampler that computes
+the model as the trainer does keeps it near the numerical noise of its dtype; one that computes
+another model (a kernel that misreads a layout, a sync that did not arrive, a config the engine
+reads otherwise) samples from a distribution no off-policy correction is meant to absorb, and
+the run would go on learning from it.
+
+:class:`RolloutKLGuard` watches the figure step by step and raises :class:`RolloutMismatchError`
+once it has stayed above the limit for ``max_rollout_kl_steps`` consecutive steps, so one
+unlucky batch does not stop a run. A step without the figure (no update) leaves the count as
+it was. Pure: fed the step's metrics, which every rank holds alike (the figure is summed over
+the world), so every rank stops at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["METRIC", "RolloutKLGuard", "RolloutMismatchError"]
+
+METRIC = "rollout_kl_k3"
+
+
+class RolloutMismatchError(RuntimeError):
+    """The sampler's distribution stayed too far from the trainer's; the message says which
+    figure, engine and model, and what usually causes it."""
+
+
+@dataclass
+class RolloutKLGuard:
+    """``limit`` None: never stops. ``engine`` and ``family`` only name things in the error."""
+
+    limit: float | None
+    steps: int
+    engine: str
+    family: str
+    staleness: int = 0
+    _streak: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> RolloutKLGuard:
+        from megatron_gspo.model.hf_config import model_family
+
+        rollout = recipe.rollout
+        engine = rollout.engine
+        if engine == "local" and (rollout.local_worker or rollout.max_staleness):
+            engine = "local (generation worker)"
+        return cls(
+            limit=rollout.max_rollout_kl,
+            steps=rollout.max_rollout_kl_steps,
+            engine=engine,
+            family=model_family(recipe.model),
+            staleness=rollout.max_staleness,
+        )
+
+    def check(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Count the step's figure; raise once it has been too high ``steps`` times running."""
+        value = metrics.get(METRIC)
+        if self.limit is None or value is None:
+            return
+        # NaN or inf (a token the sampler gave no probability) is a disagreement too.
+        if not math.isfinite(value) or value > self.limit:
+            self._streak.append((step, float(value)))
+        else:
+            self._streak.clear()
+        if len(self._streak) >= self.steps:
+            raise RolloutMismatchError(self._message())
+
+    def _message(self) -> str:
+        seen = ", ".join(f"step {s}: {v:.3g}" for s, v in self._streak[-self.steps :])
+        stale = (
+            f" (with rollout.max_staleness {self.staleness} it also holds up to "
+            f"{self.staleness} update(s) of the policy's own change)"
+            if self.staleness
+            else ""
+        )
+        return (
+            f"{METRIC} stayed above rollout.max_rollout_kl = {self.limit:g} for "
+            f"{len(self._streak)} consecutive steps ({seen}): the {self.engine} engine samples "
+            f"this {self.family} model from another distribution than the trainer scores"
+            f"{stale}. Likely causes: a dtype (the sampler in lower precision than the "
+            "trainer), a kernel of the engine that computes the model otherwise, a stale or "
+            "partial weight sync, or a model whose sampler and trainer disagree (a config the "
+            "engine reads differently). Compare the engine's log-probs with the trainer's on "
+            "the same tokens; rollout.max_rollout_kl: null turns this check off"
+        )

@@ -1,0 +1,137 @@
+"""rollout.max_rollout_kl: a sampler that keeps disagreeing with the trainer stops the run.
+
+The guard alone (fed metrics step by step), the recipe keys, and the real loop through the CLI
+with a generation worker that samples from perturbed weights (``tests.perturbed_sampler``): it
+stops with one line and exit 1; a one-off spike and healthy steps do not stop it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_gspo.config import Recipe, RolloutConfig
+from megatron_gspo.rollout.kl_guard import RolloutKLGuard, RolloutMismatchError
+from tests.test_train_loop import ROOT, _metrics, loop_recipe
+
+
+def _guard(limit=0.05, steps=3, **kw) -> RolloutKLGuard:
+    return RolloutKLGuard(limit=limit, steps=steps, engine="vllm", family="deepseek_v3", **kw)
+
+
+def _feed(guard: RolloutKLGuard, values) -> int | None:
+    """The step at which the guard stops (None: it never does)."""
+    for step, value in enumerate(values, 1):
+        try:
+            guard.check(step, {} if value is None else {"rollout_kl_k3": value})
+        except RolloutMismatchError:
+            return step
+    return None
+
+
+def test_a_figure_that_stays_above_the_limit_stops_at_the_nth_step():
+    assert _feed(_guard(), [1e-6, 0.2, 0.3, 0.4, 0.5]) == 4
+
+
+def test_the_error_names_the_figure_the_engine_the_model_and_the_causes():
+    guard = _guard(steps=2, staleness=1)
+    with pytest.raises(RolloutMismatchError) as e:
+        for step in (7, 8):
+            guard.check(step, {"rollout_kl_k3": 0.25})
+    message = str(e.value)
+    for needle in (
+        "rollout_kl_k3",
+        "rollout.max_rollout_kl = 0.05",
+        "step 7: 0.25, step 8: 0.25",
+        "vllm engine",
+        "deepseek_v3",
+        "dtype",
+        "kernel",
+        "sync",
+        "disagree",
+        "max_staleness 1",
+    ):
+        assert needle in message, f"{needle!r} not in: {message}"
+    assert "\n" not in message
+
+
+def test_one_off_spikes_and_the_figure_at_the_limit_do_not_stop_a_run():
+    spiky = [1e-6, 0.9, 1e-6, 0.9, 0.9, 1e-6, 0.05, 0.05, 0.05, 0.9]
+    assert _feed(_guard(), spiky) is None
+
+
+def test_steps_without_the_figure_neither_count_nor_reset():
+    assert _feed(_guard(), [0.2, None, 0.3, None, None, 0.4]) == 6
+    assert _feed(_guard(), [None] * 10) is None
+
+
+def test_non_finite_figures_count_as_above():
+    assert _feed(_guard(steps=2), [math.nan, math.inf]) == 2
+
+
+def test_no_limit_never_stops():
+    assert _feed(_guard(limit=None, steps=1), [1e9] * 5) is None
+
+
+def test_the_recipe_keys_are_checked():
+    assert RolloutConfig().max_rollout_kl > 0 and RolloutConfig().max_rollout_kl_steps >= 1
+    assert RolloutConfig(max_rollout_kl=None).max_rollout_kl is None
+    with pytest.raises(ValueError, match="rollout.max_rollout_kl must be > 0"):
+        RolloutConfig(max_rollout_kl=0)
+    with pytest.raises(ValueError, match="rollout.max_rollout_kl_steps must be >= 1"):
+        RolloutConfig(max_rollout_kl_steps=0)
+    recipe = Recipe.model_validate(loop_recipe(Path("run")))
+    guard = RolloutKLGuard.from_recipe(recipe)
+    assert (guard.engine, guard.family) == ("local", "qwen3_moe")
+
+
+# The real loop, through the CLI ------------------------------------------------------------
+
+
+def _run(tmp_path: Path, perturb: str, steps: int, **rollout) -> subprocess.CompletedProcess:
+    data = loop_recipe(
+        tmp_path / "run",
+        rollout={"local_worker": True, **rollout},
+        run={"plot_every": 0, "tensorboard": False},
+    )
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-m", "tests.perturbed_sampler", "train", str(recipe)]
+    return subprocess.run(
+        [*cmd, "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PERTURB_VERSIONS": perturb},
+        timeout=600,
+    )
+
+
+def test_a_sampler_with_perturbed_weights_stops_the_run_with_one_line(tmp_path):
+    proc = _run(tmp_path, perturb="all", steps=5, max_rollout_kl_steps=2)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in ("rollout_kl_k3", "rollout.max_rollout_kl", "local (generation worker)"):
+        assert needle in proc.stderr, proc.stderr[-3000:]
+    records = _metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2], "the run went on past the second step"
+    limit = RolloutConfig().max_rollout_kl
+    assert all(r["rollout_kl_k3"] > limit for r in records), records
+
+
+def test_a_spike_and_healthy_steps_do_not_stop_the_run(tmp_path):
+    """Only the snapshot of version 1 (the weights step 2 samples from) is perturbed."""
+    proc = _run(tmp_path, perturb="1", steps=4, max_rollout_kl_steps=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kl = [r["rollout_kl_k3"] for r in _metrics(tmp_path / "run")]
+    limit = RolloutConfig().max_rollout_kl
+    print(f"rollout_kl_k3 by step: {kl}")
+    assert kl[1] > limit, f"the perturbed step was not above the limit: {kl}"
+    healthy = kl[:1] + kl[2:]
+    assert max(healthy) < limit / 100, f"healthy steps near the limit: {kl}"
