@@ -99,7 +99,11 @@ def main() -> None:
     from megatron_gspo.episodes.runner import EpisodeRunner
     from megatron_gspo.rollout.protocol import SamplingParams
     from megatron_gspo.rollout.vllm.client import VLLMClient
-    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+    from megatron_gspo.rollout.vllm.local_server import (
+        cpu_serving_args,
+        served,
+        write_served_model,
+    )
 
     cfg = model_config()
     draws = random.Random(0)
@@ -120,8 +124,7 @@ def main() -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="gspo-multi-turn-"))
     model_dir = write_served_model(work / "model", cfg)
-    extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
-    extra += ["--max-num-seqs", str(args.episodes)]
+    extra = cpu_serving_args(cfg.max_seq_length, max_num_seqs=args.episodes)
     envs = EnvironmentPool(
         "benchmarks.multi_turn:LatencyTool",
         {"median_s": args.median_s},

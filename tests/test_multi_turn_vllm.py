@@ -27,13 +27,16 @@ RECIPE = ROOT / "recipes" / "tiny-multi-turn-vllm.yaml"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from megatron_gspo.recipe import load_recipe
-    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+    from megatron_gspo.rollout.vllm.local_server import (
+        cpu_serving_args,
+        served,
+        write_served_model,
+    )
 
     work = tmp_path_factory.mktemp("multi-turn-vllm")
     cfg = load_recipe(RECIPE).model
     model_dir = write_served_model(work / "model", cfg)
-    extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64"]
-    extra += ["--max-num-seqs", "256", "--seed", "0"]
+    extra = [*cpu_serving_args(cfg.max_seq_length, max_num_seqs=256), "--seed", "0"]
     with served(model_dir, extra, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as (url, key):
         yield url, key
 

@@ -169,7 +169,9 @@ class VLLMServer:
         # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         extra = ["--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len)]
+        # A budget that never splits a prefill (see local_server.cpu_serving_args).
         extra += ["--max-num-seqs", "64", "--seed", "0"]
+        extra += ["--max-num-batched-tokens", str(64 * max_model_len)]
         cmd = server_command(str(model_dir), host="127.0.0.1", port=self.port, extra_args=extra)
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

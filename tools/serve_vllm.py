@@ -32,15 +32,21 @@ def main() -> int:
 
     from megatron_gspo.extras import require_extra
     from megatron_gspo.recipe import load_recipe
-    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+    from megatron_gspo.rollout.vllm.local_server import (
+        cpu_serving_args,
+        served,
+        write_served_model,
+    )
 
     recipe = load_recipe(args.recipe)
     require_extra("vllm", "Serving the recipe's model from vLLM")
     work = Path(args.dir or tempfile.mkdtemp(prefix="gspo-vllm-"))
     model_dir = write_served_model(work / "model", recipe.model)
-    extra = ["--max-model-len", str(recipe.model.max_seq_length), "--seed", "0"]
-    if not torch.cuda.is_available():
-        extra += ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "256"]
+    extra = ["--seed", "0"]
+    if torch.cuda.is_available():
+        extra += ["--max-model-len", str(recipe.model.max_seq_length)]
+    else:
+        extra += cpu_serving_args(recipe.model.max_seq_length, max_num_seqs=256)
     with served(model_dir, extra, env={"VLLM_CPU_KVCACHE_SPACE": "2"}) as (url, key):
         lines = f"export MEGATRON_GSPO_VLLM_URLS={url} MEGATRON_GSPO_VLLM_KEY={key}\n"
         print(lines, end="", flush=True)

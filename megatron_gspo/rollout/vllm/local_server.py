@@ -45,6 +45,20 @@ def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path
     return directory
 
 
+def cpu_serving_args(max_model_len: int, max_num_seqs: int) -> list[str]:
+    """vLLM arguments for a CPU server: fp32, eager, and a token budget per scheduler step that
+    holds every sequence whole. vLLM 0.32 rewinds a seeded request's generator when a chunked
+    prefill discards its sampled token, and a CPU generator has no offset to rewind ("CPU
+    Generator does not use offset": the engine dies); with a budget of ``max_num_seqs x
+    max_model_len`` tokens no prefill is ever split."""
+    return [
+        "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_model_len * max_num_seqs),
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
 def served(
     model_dir: Path, extra_args: list[str], *, env: dict | None = None, cpu: int | None = None
