@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_gspo.checks import check_checkpoint_model
 from megatron_gspo.policy import Policy
 from megatron_gspo.rng import get_rng_state, set_rng_state
 
@@ -158,6 +160,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or used; the message names the file."""
 
 
+def _first_line(error: BaseException) -> str:
+    """What went wrong, in a line: torch's checkpoint errors wrap each rank's error (and its
+    traceback) in theirs."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = (str(error).splitlines() or [""])[0][:500]
+    return f"{type(error).__name__}: {text}"
+
+
 MANIFEST = "manifest.json"
 
 
@@ -185,15 +196,39 @@ def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+class UnverifiedCheckpointError(CheckpointError):
+    """A checkpoint without a manifest: nothing says whether its files are whole."""
+
+
+TRUST_OPTION = "--trust-unverified-checkpoint"
+# Checkpointer.load's default: verify the checkpoint before loading it.
+_VERIFY = object()
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """``directory``'s manifest, None where it has none; a manifest that cannot be read is an
+    error naming it."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("no 'files' table")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path}: not a checkpoint manifest ({e}); the checkpoint cannot be verified"
+        ) from None
+    return manifest
+
+
 def check_files(
     directory: Path, *, rank: int = 0, world: int = 1
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The manifest of ``directory`` and what is wrong with this rank's share of its files."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        log.warning("%s has no %s: its files cannot be verified", directory, MANIFEST)
+    manifest = read_manifest(directory)
+    if manifest is None:
         return None, []
-    manifest = json.loads(manifest_path.read_text())
     problems = []
     for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
         if i % world != rank:
@@ -221,6 +256,31 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any] | None:
     directory = Path(directory)
     manifest, problems = check_files(directory)
     _raise_problems(directory, problems)
+    return manifest
+
+
+def verify(directory: Path, *, trust_unverified: bool = False) -> dict[str, Any] | None:
+    """Check every file of a checkpoint against its manifest, each rank a share (collective);
+    returns the manifest.
+
+    Raises :class:`CheckpointError` naming the first missing, resized or changed file, and
+    :class:`UnverifiedCheckpointError` for a checkpoint without a manifest unless
+    ``trust_unverified`` (then it is loaded with a warning).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank reads the same manifest: one that cannot be read fails them all alike.
+    manifest, problems = check_files(directory, rank=rank, world=world)
+    found: list[list[str]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(found, problems)
+    _raise_problems(directory, [p for part in found for p in part])
+    if manifest is None:
+        if not trust_unverified:
+            raise UnverifiedCheckpointError(
+                f"checkpoint {directory} has no {MANIFEST}: its files cannot be verified "
+                f"(written before manifests, or the manifest was lost); {TRUST_OPTION} "
+                "loads it anyway"
+            )
+        log.warning("%s has no %s: loading it unverified (%s)", directory, MANIFEST, TRUST_OPTION)
     return manifest
 
 
@@ -284,6 +344,20 @@ class Checkpointer:
     def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
         self._check_finite(step)
         final = self.dir / _name(step)
+        try:
+            return self._save(step, trainer_state, final)
+        except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, a quota, ...
+            if self.world == 1:  # the partial copy, which would hold the space until next time
+                shutil.rmtree(self.dir / f".{_name(step)}.tmp", ignore_errors=True)
+            first = _first_line(e)
+            free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else None
+            space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
+            raise CheckpointError(
+                f"cannot write checkpoint {final}: {first}{space}; {self.dir / LATEST} still "
+                "names the last complete one"
+            ) from e
+
+    def _save(self, step: int, trainer_state: dict[str, Any], final: Path) -> Path:
         tmp = self.dir / f".{_name(step)}.tmp"
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -332,26 +406,24 @@ class Checkpointer:
                 # Megatron pads the vocabulary for TP; the embedding's rows cannot change on
                 # resume.
                 "padded_vocab_size": self.policy.model.vocab_size,
+                # The model it holds, so that a recipe with another shape is refused by name.
+                "model": self.policy.recipe.model.model_dump(mode="json"),
                 "files": {k: v for part in parts for k, v in sorted(part.items())},
             }
             (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
-    def verify(self, step: int) -> dict[str, Any] | None:
-        """Check every file against the manifest (each rank a share); returns the manifest.
+    def verify(self, step: int, *, trust_unverified: bool = False) -> dict[str, Any] | None:
+        """:func:`verify` of the checkpoint of ``step``; returns its manifest."""
+        return verify(self.dir / _name(step), trust_unverified=trust_unverified)
 
-        Raises :class:`CheckpointError` naming the first missing, resized or changed file.
-        A checkpoint written before manifests existed is accepted with a warning.
-        """
+    def load(self, step: int, *, manifest: Any = _VERIFY) -> dict[str, Any]:
+        """Load the checkpoint of ``step``, verified first unless ``manifest`` is what a
+        verification of it just returned (:mod:`megatron_gspo.rundir` verifies before the
+        policy is built; None: trusted without one)."""
         path = self.dir / _name(step)
-        manifest, problems = check_files(path, rank=self.rank, world=self.world)
-        found: list[list[str]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(found, problems)
-        _raise_problems(path, [p for part in found for p in part])
-        return manifest
-
-    def load(self, step: int) -> dict[str, Any]:
-        path = self.dir / _name(step)
-        manifest = self.verify(step)
+        if manifest is _VERIFY:
+            manifest = self.verify(step)
+        check_checkpoint_model(path, self.policy, recorded=(manifest or {}).get("model"))
         saved_layout = (manifest or {}).get("layout")
         resharded = saved_layout is not None and saved_layout != current_layout(self.policy)
         if resharded:
@@ -382,11 +454,10 @@ class Checkpointer:
             with torch.no_grad():
                 self.policy.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(self.policy)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             hint = f" (saved with layout {saved_layout})" if resharded else ""
             raise CheckpointError(
-                f"checkpoint {path} cannot be loaded{hint}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:500] if str(e) else ''}"
+                f"checkpoint {path} cannot be loaded{hint}: {_first_line(e)}"
             ) from e
         if self.policy.reference is not None and not has_reference:
             log.warning(
