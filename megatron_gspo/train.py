@@ -16,8 +16,6 @@ Every rank runs this function (``torchrun`` or a single process). One step:
 from __future__ import annotations
 
 import logging
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.checkpoint import Checkpointer
+from megatron_gspo.checks import refuse_problems
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.data.rewards import RewardComputer, overlong_penalty
 from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
-from megatron_gspo.errors import PREEMPTED_MARKER
+from megatron_gspo.errors import PREEMPTED_MARKER, catch_sigterm, sigterm_received
 from megatron_gspo.evaluation import eval_prompts, evaluate, is_eval_step
 from megatron_gspo.loss import group_advantages
 from megatron_gspo.metrics import MetricsLogger
@@ -41,6 +40,7 @@ from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import RolloutRequest, RolloutResult, SamplingParams, make_engine
 from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.rollout.protocol import Completion
+from megatron_gspo.rundir import RunOptions, begin, on_rank0, open_run
 from megatron_gspo.train_step import GSPOTrainer
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,11 @@ class StopFlag:
     """Set by SIGTERM (Slurm pre-emption, ``scontrol requeue``): finish the step, save, exit."""
 
     def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._set)
+        catch_sigterm()
 
-    def _set(self, signum, frame) -> None:
-        self.requested = True
+    @property
+    def requested(self) -> bool:
+        return sigterm_received()
 
     def any_rank(self) -> bool:
         flag = torch.tensor([1 if self.requested else 0])
@@ -166,41 +166,13 @@ PREEMPTED = PREEMPTED_MARKER
 
 
 class Preempted(Exception):
-    """The run stopped on SIGTERM after saving a checkpoint at ``step``; resume to continue."""
+    """The run stopped on SIGTERM after saving a checkpoint at ``step`` (or, ``saved=False``,
+    during start-up, having written nothing); resume to continue."""
 
-    def __init__(self, step: int, run_dir: Path) -> None:
-        super().__init__(f"stopped on SIGTERM after saving step {step} in {run_dir}")
+    def __init__(self, step: int, run_dir: Path, *, saved: bool = True) -> None:
+        what = f"after saving step {step}" if saved else "during start-up (nothing to save)"
+        super().__init__(f"stopped on SIGTERM {what} in {run_dir}")
         self.step, self.run_dir = step, run_dir
-
-
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked; the message says what is there."""
-
-
-# What a run writes into its directory (and --overwrite removes).
-RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "plots", "recipe.yaml")
-
-
-def _start_afresh(run_dir: Path, *, overwrite: bool) -> None:
-    """Refuse to start over on top of an earlier run, unless asked to delete it."""
-    present = [run_dir / name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
-    if not present:
-        return
-    if not overwrite:
-        ckpts = sorted((run_dir / "checkpoints").glob("iter_*"))
-        metrics = run_dir / "metrics.jsonl"
-        steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-        raise RunDirError(
-            f"{run_dir} holds a run ({len(ckpts)} checkpoint(s), metrics for {steps} step(s)); "
-            "--no-resume would start over on top of it. Pick another --output-dir, resume it, "
-            f"or add --overwrite to delete {', '.join(p.name for p in present)}"
-        )
-    log.warning("--overwrite: deleting %s", ", ".join(str(p) for p in present))
-    for path in present:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def train(
@@ -210,54 +182,43 @@ def train(
     resume: bool = True,
     steps: int | None = None,
     overwrite: bool = False,
+    resume_from_last_good: bool = False,
+    trust_unverified: bool = False,
 ) -> Path:
     """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory.
 
-    ``resume=False`` starts afresh: refused where the directory holds a run, unless
-    ``overwrite`` (which deletes that run first)."""
+    Where it starts, or why it refuses to, is :mod:`megatron_gspo.rundir`'s decision: resume
+    from the directory's checkpoint (``resume_from_last_good``: the newest that verifies;
+    ``trust_unverified``: one without a manifest), or, ``resume=False``, start afresh,
+    refused where the directory holds a run unless ``overwrite`` (which deletes it first)."""
+    stop = StopFlag()  # first: a SIGTERM during start-up stops the run, not the process
     run_dir = Path(output_dir)
     total = steps if steps is not None else recipe.run.steps
     groups = init_parallel(recipe.parallel)
     rank0 = dist.get_rank() == 0
-    if rank0:
-        (run_dir / PREEMPTED).unlink(missing_ok=True)
-    if not resume:
-        error: list = [None]
-        if rank0:
-            try:
-                _start_afresh(run_dir, overwrite=overwrite)
-            except RunDirError as e:
-                error[0] = str(e)
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
-            raise RunDirError(error[0])
-    if recipe.data is None:
-        raise ValueError("the recipe has no data section (data.task or data.path)")
-    if recipe.rollout.max_new_tokens >= recipe.model.max_seq_length:
-        raise ValueError(
-            f"rollout.max_new_tokens ({recipe.rollout.max_new_tokens}) leaves no room for a "
-            f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
-        )
+    on_rank0(refuse_problems, recipe, run_dir)
+    options = RunOptions(resume, overwrite, resume_from_last_good, trust_unverified)
+    total_from = "--steps" if steps is not None else "run.steps"
+    lock, begin_at = open_run(run_dir, options, total=total, total_from=total_from)
+    if begin_at.done:
+        return _release(lock, run_dir)
+    _stop_before_start(stop, begin_at.step, run_dir, lock)
     max_prompt_tokens = recipe.model.max_seq_length - recipe.rollout.max_new_tokens
     stream = PromptStream(
         recipe.data, seed=recipe.rollout.seed, max_prompt_tokens=max_prompt_tokens
     )
     eval_set = eval_prompts(recipe, max_prompt_tokens) if recipe.eval.every else []
-    if stream.tokenizer.vocab_size > recipe.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {stream.tokenizer.vocab_size} ids but model.vocab_size is "
-            f"{recipe.model.vocab_size}"
-        )
     rewards = RewardComputer(recipe.reward) if rank0 else None
     policy = Policy(recipe, groups)
     trainer = GSPOTrainer(policy)
     engine = make_engine(recipe, policy)
     checkpoints = Checkpointer(run_dir / "checkpoints", policy, keep=recipe.run.keep_checkpoints)
 
+    _stop_before_start(stop, begin_at.step, run_dir, lock)
     start, best_eval = 0, None
-    latest = checkpoints.latest_step() if resume else None
+    latest = begin_at.step or None
     if latest is not None:
-        state = checkpoints.load(latest)
+        state = checkpoints.load(latest, manifest=begin_at.manifest)
         start, stream.position = latest, state["data_position"]
         stream.skipped = state.get("prompts_skipped", 0)
         best_eval = state.get("eval_best")
@@ -269,17 +230,18 @@ def train(
     # the weights version is the number of steps applied.
     engine.sync_weights(start)
 
+    _stop_before_start(stop, start, run_dir, lock)
+    if rank0:
+        begin(run_dir, begin_at)
     logger = MetricsLogger(
         run_dir,
         enabled=rank0,
         tensorboard=recipe.run.tensorboard,
         wandb_project=recipe.run.wandb_project,
-        resume_step=start,
         config=recipe.model_dump(),
     )
     if rank0:
         (run_dir / "recipe.yaml").write_text(_yaml(recipe))
-    stop = StopFlag()
     params = dict(
         group_size=recipe.rollout.group_size,
         temperature=recipe.rollout.temperature,
@@ -399,8 +361,26 @@ def train(
     if stopping:
         if rank0:
             (run_dir / PREEMPTED).write_text(f"{step}\n")
+        _release(lock, run_dir)
         raise Preempted(step, run_dir)
+    return _release(lock, run_dir)
+
+
+def _release(lock, run_dir: Path) -> Path:
+    if lock is not None:
+        lock.release()
     return run_dir
+
+
+def _stop_before_start(stop: StopFlag, step: int, run_dir: Path, lock) -> None:
+    """A SIGTERM before the first step: exit 75 having written nothing but the pre-emption
+    marker (which tells ``launch`` to pass 75 on)."""
+    if not stop.any_rank():
+        return
+    if dist.get_rank() == 0:
+        (run_dir / PREEMPTED).write_text(f"{step}\n")
+    _release(lock, run_dir)
+    raise Preempted(step, run_dir, saved=False)
 
 
 def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:
