@@ -46,7 +46,10 @@ def check_data(recipe: Recipe, run_dir: Path) -> list[Problem]:
                 f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
             )
         )
-    tokenizer = _tokenizer(recipe)
+    try:
+        tokenizer = _tokenizer(recipe)
+    except (ValueError, OSError) as e:  # the message names the file
+        return [*out, Problem(str(e))]
     if tokenizer is not None and tokenizer.vocab_size > recipe.model.vocab_size:
         out.append(
             Problem(
@@ -58,13 +61,14 @@ def check_data(recipe: Recipe, run_dir: Path) -> list[Problem]:
 
 
 def _tokenizer(recipe: Recipe):
-    """The recipe's tokenizer, None where its file is missing here (reported elsewhere)."""
+    """The recipe's tokenizer, None where it or the data file is missing here (reported
+    first, as such, by ``validate`` and by ``train`` reading the data)."""
     data = recipe.data
     if data.task is not None:
         from megatron_gspo.data.tasks import SyntheticTask
 
         return SyntheticTask(data.task, **data.task_options).tokenizer
-    if data.tokenizer is None or not Path(data.tokenizer).exists():
+    if any(f is None or not Path(f).exists() for f in (data.path, data.tokenizer)):
         return None
     from megatron_gspo.data.tokenizer import load_tokenizer
 
