@@ -8,16 +8,15 @@ names the newest complete one and is replaced atomically after the rename. A pro
 mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
 removes the debris.
 
-A ``manifest.json`` records the layout it was saved with and every file's size and SHA-256;
-loading verifies them first (all ranks, a share each) and names a missing, truncated or
-changed file. Model and optimizer are saved in Megatron-Core's reshardable forms (the
-distributed optimizer's ``fully_reshardable``), so a run resumes on another TP/PP/EP/DP layout.
-Weights holding NaN or inf are never saved.
+A ``manifest.json`` (:mod:`megatron_gspo.manifest`) records the layout and model it was saved
+with and every file's size and SHA-256; loading verifies them first (all ranks, a share each)
+and names a missing, truncated or changed file. Model and optimizer are saved in
+Megatron-Core's reshardable forms (the distributed optimizer's ``fully_reshardable``), so a run
+resumes on another TP/PP/EP/DP layout. Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,13 @@ from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_gspo.checks import check_checkpoint_model
+from megatron_gspo.manifest import (
+    MANIFEST,
+    CheckpointError,
+    checksummed_files,
+    sha256_of,
+    verify,
+)
 from megatron_gspo.policy import Policy
 from megatron_gspo.rng import get_rng_state, set_rng_state
 
@@ -156,10 +162,6 @@ def _start_writer_queue_ignoring_sigterm() -> None:
     filesystem_async._results_queue = manager.Queue()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or used; the message names the file."""
-
-
 def _first_line(error: BaseException) -> str:
     """What went wrong, in a line: torch's checkpoint errors wrap each rank's error (and its
     traceback) in theirs."""
@@ -167,17 +169,6 @@ def _first_line(error: BaseException) -> str:
         error = next(iter(error.failures.values()))[0]
     text = (str(error).splitlines() or [""])[0][:500]
     return f"{type(error).__name__}: {text}"
-
-
-MANIFEST = "manifest.json"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def current_layout(policy: Policy) -> dict[str, int]:
@@ -192,96 +183,8 @@ def current_layout(policy: Policy) -> dict[str, int]:
     }
 
 
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-class UnverifiedCheckpointError(CheckpointError):
-    """A checkpoint without a manifest: nothing says whether its files are whole."""
-
-
-TRUST_OPTION = "--trust-unverified-checkpoint"
 # Checkpointer.load's default: verify the checkpoint before loading it.
 _VERIFY = object()
-
-
-def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """``directory``'s manifest, None where it has none; a manifest that cannot be read is an
-    error naming it."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' table")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(
-            f"{path}: not a checkpoint manifest ({e}); the checkpoint cannot be verified"
-        ) from None
-    return manifest
-
-
-def check_files(
-    directory: Path, *, rank: int = 0, world: int = 1
-) -> tuple[dict[str, Any] | None, list[str]]:
-    """The manifest of ``directory`` and what is wrong with this rank's share of its files."""
-    manifest = read_manifest(directory)
-    if manifest is None:
-        return None, []
-    problems = []
-    for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
-        if i % world != rank:
-            continue
-        file = directory / rel
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-        elif file.stat().st_size != meta["bytes"]:
-            problems.append(
-                f"{file}: {file.stat().st_size} bytes, {meta['bytes']} when written (truncated?)"
-            )
-        elif _sha256(file) != meta["sha256"]:
-            problems.append(f"{file}: checksum differs from when it was written (corrupt)")
-    return manifest, problems
-
-
-def _raise_problems(directory: Path, problems: list[str]) -> None:
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}")
-
-
-def verify_checkpoint(directory: str | Path) -> dict[str, Any] | None:
-    """Verify a checkpoint directory from one process (conversion, tools)."""
-    directory = Path(directory)
-    manifest, problems = check_files(directory)
-    _raise_problems(directory, problems)
-    return manifest
-
-
-def verify(directory: Path, *, trust_unverified: bool = False) -> dict[str, Any] | None:
-    """Check every file of a checkpoint against its manifest, each rank a share (collective);
-    returns the manifest.
-
-    Raises :class:`CheckpointError` naming the first missing, resized or changed file, and
-    :class:`UnverifiedCheckpointError` for a checkpoint without a manifest unless
-    ``trust_unverified`` (then it is loaded with a warning).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # Every rank reads the same manifest: one that cannot be read fails them all alike.
-    manifest, problems = check_files(directory, rank=rank, world=world)
-    found: list[list[str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(found, problems)
-    _raise_problems(directory, [p for part in found for p in part])
-    if manifest is None:
-        if not trust_unverified:
-            raise UnverifiedCheckpointError(
-                f"checkpoint {directory} has no {MANIFEST}: its files cannot be verified "
-                f"(written before manifests, or the manifest was lost); {TRUST_OPTION} "
-                "loads it anyway"
-            )
-        log.warning("%s has no %s: loading it unverified (%s)", directory, MANIFEST, TRUST_OPTION)
-    return manifest
 
 
 class Checkpointer:
@@ -390,9 +293,9 @@ class Checkpointer:
 
     def _write_manifest(self, directory: Path, step: int) -> None:
         """Every file's size and SHA-256 (hashed by all ranks, a share each) and the layout."""
-        files = _files(directory)
+        files = checksummed_files(directory)
         mine = {
-            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
             for i, p in enumerate(files)
             if i % self.world == self.rank
         }

@@ -241,7 +241,7 @@ def check_checkpoint_model(
 def recorded_model(directory: Path) -> dict[str, Any] | None:
     """The model a checkpoint says it holds: a training checkpoint's manifest, or the
     ``model_config.yaml`` that ``convert hf-to-megatron`` writes."""
-    from megatron_gspo.checkpoint import read_manifest
+    from megatron_gspo.manifest import read_manifest
 
     manifest = read_manifest(directory)
     if manifest is not None:

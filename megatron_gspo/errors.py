@@ -25,9 +25,9 @@ def debug_enabled() -> bool:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from megatron_gspo.checkpoint import CheckpointError
     from megatron_gspo.data.prompts import DataError
     from megatron_gspo.extras import MissingExtraError
+    from megatron_gspo.manifest import CheckpointError
     from megatron_gspo.recipe import RecipeError
     from megatron_gspo.rollout.vllm.client import VLLMRequestError, VLLMUnavailableError
     from megatron_gspo.rollout.vllm.sync import WeightSyncError

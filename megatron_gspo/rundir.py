@@ -35,8 +35,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.checkpoint import LATEST, CheckpointError, verify
+from megatron_gspo.checkpoint import LATEST
 from megatron_gspo.errors import PREEMPTED_MARKER
+from megatron_gspo.manifest import CheckpointError, verify
 from megatron_gspo.metrics import METRICS_FILE, parse_metrics
 
 log = logging.getLogger(__name__)

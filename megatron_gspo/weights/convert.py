@@ -306,7 +306,7 @@ def megatron_to_hf(
     if not (src / "metadata.json").is_file():
         raise ConversionError(f"{src}: not a Megatron distributed checkpoint (no metadata.json)")
     if (src / "manifest.json").is_file():  # a training checkpoint: check it before reading
-        from megatron_gspo.checkpoint import CheckpointError, verify_checkpoint
+        from megatron_gspo.manifest import CheckpointError, verify_checkpoint
 
         try:
             verify_checkpoint(src)
