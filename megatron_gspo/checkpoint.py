@@ -8,16 +8,15 @@ names the newest complete one and is replaced atomically after the rename. A pro
 mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
 removes the debris.
 
-A ``manifest.json`` records the layout it was saved with and every file's size and SHA-256;
-loading verifies them first (all ranks, a share each) and names a missing, truncated or
-changed file. Model and optimizer are saved in Megatron-Core's reshardable forms (the
-distributed optimizer's ``fully_reshardable``), so a run resumes on another TP/PP/EP/DP layout.
-Weights holding NaN or inf are never saved.
+A ``manifest.json`` (:mod:`megatron_gspo.manifest`) records the layout and model it was saved
+with and every file's size and SHA-256; loading verifies them first (all ranks, a share each)
+and names a missing, truncated or changed file. Model and optimizer are saved in
+Megatron-Core's reshardable forms (the distributed optimizer's ``fully_reshardable``), so a run
+resumes on another TP/PP/EP/DP layout. Weights holding NaN or inf are never saved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_gspo.checks import check_checkpoint_model
+from megatron_gspo.manifest import (
+    MANIFEST,
+    CheckpointError,
+    checksummed_files,
+    sha256_of,
+    verify,
+)
 from megatron_gspo.policy import Policy
 from megatron_gspo.rng import get_rng_state, set_rng_state
 
@@ -154,19 +162,13 @@ def _start_writer_queue_ignoring_sigterm() -> None:
     filesystem_async._results_queue = manager.Queue()
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or used; the message names the file."""
-
-
-MANIFEST = "manifest.json"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _first_line(error: BaseException) -> str:
+    """What went wrong, in a line: torch's checkpoint errors wrap each rank's error (and its
+    traceback) in theirs."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = (str(error).splitlines() or [""])[0][:500]
+    return f"{type(error).__name__}: {text}"
 
 
 def current_layout(policy: Policy) -> dict[str, int]:
@@ -181,47 +183,8 @@ def current_layout(policy: Policy) -> dict[str, int]:
     }
 
 
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def check_files(
-    directory: Path, *, rank: int = 0, world: int = 1
-) -> tuple[dict[str, Any] | None, list[str]]:
-    """The manifest of ``directory`` and what is wrong with this rank's share of its files."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        log.warning("%s has no %s: its files cannot be verified", directory, MANIFEST)
-        return None, []
-    manifest = json.loads(manifest_path.read_text())
-    problems = []
-    for i, (rel, meta) in enumerate(sorted(manifest["files"].items())):
-        if i % world != rank:
-            continue
-        file = directory / rel
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-        elif file.stat().st_size != meta["bytes"]:
-            problems.append(
-                f"{file}: {file.stat().st_size} bytes, {meta['bytes']} when written (truncated?)"
-            )
-        elif _sha256(file) != meta["sha256"]:
-            problems.append(f"{file}: checksum differs from when it was written (corrupt)")
-    return manifest, problems
-
-
-def _raise_problems(directory: Path, problems: list[str]) -> None:
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}")
-
-
-def verify_checkpoint(directory: str | Path) -> dict[str, Any] | None:
-    """Verify a checkpoint directory from one process (conversion, tools)."""
-    directory = Path(directory)
-    manifest, problems = check_files(directory)
-    _raise_problems(directory, problems)
-    return manifest
+# Checkpointer.load's default: verify the checkpoint before loading it.
+_VERIFY = object()
 
 
 class Checkpointer:
@@ -284,6 +247,20 @@ class Checkpointer:
     def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
         self._check_finite(step)
         final = self.dir / _name(step)
+        try:
+            return self._save(step, trainer_state, final)
+        except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, a quota, ...
+            if self.world == 1:  # the partial copy, which would hold the space until next time
+                shutil.rmtree(self.dir / f".{_name(step)}.tmp", ignore_errors=True)
+            first = _first_line(e)
+            free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else None
+            space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
+            raise CheckpointError(
+                f"cannot write checkpoint {final}: {first}{space}; {self.dir / LATEST} still "
+                "names the last complete one"
+            ) from e
+
+    def _save(self, step: int, trainer_state: dict[str, Any], final: Path) -> Path:
         tmp = self.dir / f".{_name(step)}.tmp"
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -316,9 +293,9 @@ class Checkpointer:
 
     def _write_manifest(self, directory: Path, step: int) -> None:
         """Every file's size and SHA-256 (hashed by all ranks, a share each) and the layout."""
-        files = _files(directory)
+        files = checksummed_files(directory)
         mine = {
-            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
             for i, p in enumerate(files)
             if i % self.world == self.rank
         }
@@ -332,26 +309,24 @@ class Checkpointer:
                 # Megatron pads the vocabulary for TP; the embedding's rows cannot change on
                 # resume.
                 "padded_vocab_size": self.policy.model.vocab_size,
+                # The model it holds, so that a recipe with another shape is refused by name.
+                "model": self.policy.recipe.model.model_dump(mode="json"),
                 "files": {k: v for part in parts for k, v in sorted(part.items())},
             }
             (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
-    def verify(self, step: int) -> dict[str, Any] | None:
-        """Check every file against the manifest (each rank a share); returns the manifest.
+    def verify(self, step: int, *, trust_unverified: bool = False) -> dict[str, Any] | None:
+        """:func:`verify` of the checkpoint of ``step``; returns its manifest."""
+        return verify(self.dir / _name(step), trust_unverified=trust_unverified)
 
-        Raises :class:`CheckpointError` naming the first missing, resized or changed file.
-        A checkpoint written before manifests existed is accepted with a warning.
-        """
+    def load(self, step: int, *, manifest: Any = _VERIFY) -> dict[str, Any]:
+        """Load the checkpoint of ``step``, verified first unless ``manifest`` is what a
+        verification of it just returned (:mod:`megatron_gspo.rundir` verifies before the
+        policy is built; None: trusted without one)."""
         path = self.dir / _name(step)
-        manifest, problems = check_files(path, rank=self.rank, world=self.world)
-        found: list[list[str]] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(found, problems)
-        _raise_problems(path, [p for part in found for p in part])
-        return manifest
-
-    def load(self, step: int) -> dict[str, Any]:
-        path = self.dir / _name(step)
-        manifest = self.verify(step)
+        if manifest is _VERIFY:
+            manifest = self.verify(step)
+        check_checkpoint_model(path, self.policy, recorded=(manifest or {}).get("model"))
         saved_layout = (manifest or {}).get("layout")
         resharded = saved_layout is not None and saved_layout != current_layout(self.policy)
         if resharded:
@@ -382,11 +357,10 @@ class Checkpointer:
             with torch.no_grad():
                 self.policy.optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(self.policy)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             hint = f" (saved with layout {saved_layout})" if resharded else ""
             raise CheckpointError(
-                f"checkpoint {path} cannot be loaded{hint}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:500] if str(e) else ''}"
+                f"checkpoint {path} cannot be loaded{hint}: {_first_line(e)}"
             ) from e
         if self.policy.reference is not None and not has_reference:
             log.warning(

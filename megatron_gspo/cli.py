@@ -7,13 +7,41 @@ import warnings
 
 import click
 
+from megatron_gspo.errors import catch_sigterm, debug_enabled, one_line, user_errors
 from megatron_gspo.extras import MissingExtraError, check_recipe_extras
 from megatron_gspo.launch import launch
 from megatron_gspo.plan import plan
-from megatron_gspo.recipe import RecipeError, load_recipe
+from megatron_gspo.recipe import load_recipe
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def report(error: BaseException) -> None:
+    """A user's mistake as one line on stderr; with ``MEGATRON_GSPO_DEBUG=1`` the traceback
+    first."""
+    if debug_enabled():
+        import traceback
+
+        traceback.print_exception(error)
+    click.echo(f"Error: {one_line(error)}", err=True)
+
+
+class _Commands(click.Group):
+    """The one place every command's errors end: a known user error (a recipe, a file, a
+    checkpoint, a run directory) becomes one line and exit 1; anything else is a bug and keeps
+    its traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.ClickException:
+            raise
+        except Exception as e:
+            if not isinstance(e, user_errors()):
+                raise
+            report(e)
+            ctx.exit(1)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="megatron-gspo")
 def main() -> None:
     """GSPO reinforcement learning for Mixture-of-Experts models on Megatron-Core."""
@@ -28,24 +56,36 @@ def main() -> None:
     "--no-extras-check",
     is_flag=True,
     help="Check the recipe only, not whether this machine has its packages (FP8) and inputs "
-    "(data, tokenizer, init_from).",
+    "(data, tokenizer, init_from, reward modules, a writable run directory).",
 )
-def validate(recipe: str, no_extras_check: bool) -> None:
-    """Check RECIPE: keys, types, the parallel layout against the model, needed extras, and
-    that its input files exist.
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The run directory train would use (default: the recipe's run.output_dir).",
+)
+def validate(recipe: str, no_extras_check: bool, output_dir: str | None) -> None:
+    """Check RECIPE as train would before its first step: keys, types, the parallel layout
+    against the model, reward functions and their kwargs, the tokenizer, the run directory,
+    the checkpoint a run would start from against the model, needed extras, input files.
 
     Exit 1: the recipe is invalid. Exit 3: it is valid but cannot run on this machine (an extra
-    is not installed, or an input file is missing here: a GPU recipe checked on a laptop)."""
+    or a reward module is not installed, an input file is missing, the run directory cannot be
+    written: a GPU recipe checked on a laptop)."""
+    from megatron_gspo.checks import checkpoint_problem, find_problems
     from megatron_gspo.model import check_layout
     from megatron_gspo.recipe import missing_inputs
 
-    try:
-        r = load_recipe(recipe)
-        check_layout(r.model, r.parallel)
-    except (RecipeError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    r = load_recipe(recipe)
+    check_layout(r.model, r.parallel)
+    run_dir = output_dir or r.run.output_dir
+    found = find_problems(r, run_dir)
+    found += [p for p in [checkpoint_problem(r, run_dir)] if p is not None]
+    invalid = [p.message for p in found if not p.here_only]
+    if invalid:
+        raise click.ClickException(f"{recipe}: " + "; ".join(invalid))
     if not no_extras_check:
-        problems = missing_inputs(r)
+        problems = missing_inputs(r) + [p.message for p in found if p.here_only]
         try:
             check_recipe_extras(r)
         except MissingExtraError as e:
@@ -98,27 +138,44 @@ def _setup_logging() -> None:
     show_default=True,
     help="Continue from the newest checkpoint in the run directory, if there is one.",
 )
-@click.option("--steps", type=int, default=None, help="Override run.steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Override run.steps.")
 @click.option(
     "--overwrite",
     is_flag=True,
     help="With --no-resume: delete the run already in the run directory (checkpoints, "
     "metrics, TensorBoard, plots) instead of refusing.",
 )
+@click.option(
+    "--resume-from-last-good",
+    is_flag=True,
+    help="Where checkpoints/latest fails verification, resume from the newest checkpoint "
+    "that verifies (the steps after it are trained again).",
+)
+@click.option(
+    "--trust-unverified-checkpoint",
+    is_flag=True,
+    help="Resume from a checkpoint without a manifest.json (written before manifests, or "
+    "the manifest was lost): its files cannot be checked.",
+)
 def train(
-    recipe: str, output_dir: str | None, resume: bool, steps: int | None, overwrite: bool
+    recipe: str,
+    output_dir: str | None,
+    resume: bool,
+    steps: int | None,
+    overwrite: bool,
+    resume_from_last_good: bool,
+    trust_unverified_checkpoint: bool,
 ) -> None:
     """Train the policy of RECIPE with GSPO (one process, or one per rank under torchrun).
 
-    Exit status 0: finished; 1: an error (one line on stderr); 75: stopped by SIGTERM after
-    saving a checkpoint (pre-emption, time limit): run the same command to resume."""
+    Exit status 0: finished; 1: an error (one line on stderr); 75: stopped by SIGTERM
+    (pre-emption, time limit) after saving a checkpoint, or during start-up before there was
+    anything to save: run the same command to resume."""
+    catch_sigterm()  # before the imports and start-up that take seconds
     _setup_logging()
-    try:
-        r = load_recipe(recipe)
-        check_recipe_extras(r)
-    except (RecipeError, MissingExtraError) as e:
-        raise click.ClickException(str(e)) from None
-    from megatron_gspo.errors import EXIT_PREEMPTED, one_line, user_errors
+    r = load_recipe(recipe)
+    check_recipe_extras(r)
+    from megatron_gspo.errors import EXIT_PREEMPTED
     from megatron_gspo.parallel import destroy_parallel
     from megatron_gspo.train import Preempted
     from megatron_gspo.train import train as run_training
@@ -130,12 +187,12 @@ def train(
             resume=resume,
             steps=steps,
             overwrite=overwrite,
+            resume_from_last_good=resume_from_last_good,
+            trust_unverified=trust_unverified_checkpoint,
         )
     except Preempted as e:
         click.echo(f"{e}; exit {EXIT_PREEMPTED}: resume with the same command", err=True)
         sys.exit(EXIT_PREEMPTED)
-    except user_errors() as e:
-        raise click.ClickException(one_line(e)) from None
     finally:
         destroy_parallel()
     click.echo(f"run directory: {run_dir}")
@@ -148,10 +205,7 @@ def plot(run_dir: str, out: str | None) -> None:
     """Plot reward, clip fraction, KL, entropy, length and flip rate of RUN_DIR."""
     from megatron_gspo.plot import plot_run
 
-    try:
-        click.echo(plot_run(run_dir, out))
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
+    click.echo(plot_run(run_dir, out))
 
 
 @main.command()
@@ -179,9 +233,10 @@ def preflight(size: str, recipe: str | None, json_out: str | None) -> None:
 
     from megatron_gspo.preflight.run import PreflightError, run_preflight
 
+    loaded = load_recipe(recipe) if recipe else None  # a bad recipe: the one-line handler
     try:
-        report = run_preflight(size, recipe=load_recipe(recipe) if recipe else None)
-    except (RecipeError, PreflightError) as e:
+        report = run_preflight(size, recipe=loaded)
+    except PreflightError as e:
         raise click.ClickException(str(e)) from None
     click.echo(report.table())
     if json_out:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -576,17 +576,19 @@ class EvalConfig(_Section):
 class RunConfig(_Section):
     """The outer loop: how long, where to write, how often to save and report."""
 
-    steps: int = 100
+    steps: int = Field(100, ge=1)
     # Relative paths are resolved against the working directory.
     output_dir: str = "runs/default"
     # Initial policy weights: a Megatron checkpoint written by `megatron-gspo convert
     # hf-to-megatron` (model weights only). Ignored when the run resumes from its own.
     init_from: str | None = None
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 2
+    checkpoint_every: int = Field(10, ge=1)
+    # 0: keep every checkpoint.
+    keep_checkpoints: int = Field(2, ge=0)
     tensorboard: bool = True
     wandb_project: str | None = None
-    plot_every: int = 10
+    # 0: no plots during the run.
+    plot_every: int = Field(10, ge=0)
 
 
 class Recipe(_Section):

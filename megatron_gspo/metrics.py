@@ -3,18 +3,57 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 
+log = logging.getLogger(__name__)
+
+
+class MetricsFileError(ValueError):
+    """A metrics file with a line that is not a JSON record; the message names file:line."""
+
+
+def parse_metrics(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of a metrics file, and its last line where that is cut short.
+
+    A last line that is not a JSON object is what an interrupted write (a kill, a full disk)
+    leaves: it is returned apart, for the caller to drop with a warning. A bad line before the
+    last is an error naming the file and line: something other than this trainer wrote it.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if number == len(lines):
+                return records, line
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise MetricsFileError(f"{path}:{number}: not a metrics record ({msg})") from None
+        records.append(record)
+    return records, None
+
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete record of ``run_dir``'s metrics (a cut-short last line is left out,
+    with a warning)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, partial = parse_metrics(path)
+    if partial is not None:
+        log.warning("%s: the last line is cut short (an interrupted write); left out", path)
+    return records
 
 
 class MetricsLogger:
@@ -27,7 +66,6 @@ class MetricsLogger:
         enabled: bool,
         tensorboard: bool,
         wandb_project: str | None,
-        resume_step: int = 0,
         config: dict | None = None,
     ) -> None:
         self.enabled = enabled
@@ -36,7 +74,6 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -49,23 +86,15 @@ class MetricsLogger:
             )
             self._wandb = wandb.init(project=wandb_project, config=config, resume="allow")
 
-    def _truncate_after(self, step: int) -> None:
-        """A resumed run repeats the steps after its checkpoint: drop their old lines."""
-        if not self.path.is_file():
-            return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(f"{line}\n" for line in kept))
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: name the file
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, float | int):

@@ -152,6 +152,8 @@ class Layout:
 
 def check_world(recipe: Recipe, world: int) -> Layout:
     """Factor ``world`` GPUs into the recipe's layout or raise naming what does not divide."""
+    if world < 1:
+        raise PlanError(f"world size (nodes x GPUs) {world}: need at least one GPU")
     p, m = recipe.parallel, recipe.model
     tp, pp, cp = (
         p.tensor_model_parallel_size,
@@ -438,8 +440,8 @@ def plan_memory(
 
 @click.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--nodes", type=int, required=True, help="Trainer nodes.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Trainer nodes.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--gpu", type=click.Choice(sorted(GPU_MEMORY_MIB)), default="h100", show_default=True)
 @click.option(
     "--rollout-gpu-fraction",

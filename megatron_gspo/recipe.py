@@ -38,7 +38,13 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"{path}: not a text file (byte {e.start} is not UTF-8); a recipe is YAML"
+        ) from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot be read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(data, dict):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
+import yaml
 
 from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Recipe
@@ -26,6 +26,7 @@ from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.parallel import ParallelGroups
 from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import make_engine
+from megatron_gspo.rundir import Start, begin
 from megatron_gspo.train_step import GSPOTrainer
 
 __all__ = ["Session"]
@@ -33,43 +34,25 @@ __all__ = ["Session"]
 log = logging.getLogger(__name__)
 
 
-def _check_recipe(recipe: Recipe) -> int:
-    """What the loop needs of the recipe beyond its schema; the prompt token budget."""
-    if recipe.data is None:
-        raise ValueError("the recipe has no data section (data.task or data.path)")
-    if recipe.rollout.max_new_tokens >= recipe.model.max_seq_length:
-        raise ValueError(
-            f"rollout.max_new_tokens ({recipe.rollout.max_new_tokens}) leaves no room for a "
-            f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
-        )
-    return recipe.model.max_seq_length - recipe.rollout.max_new_tokens
-
-
 class Session:
     """The parts of a run, on every rank (rank 0 alone owns the reward and environment
     workers and writes the metrics)."""
 
-    def __init__(
-        self, recipe: Recipe, run_dir: Path, groups: ParallelGroups, *, resume: bool
-    ) -> None:
+    def __init__(self, recipe: Recipe, run_dir: Path, groups: ParallelGroups) -> None:
+        """The parts, before any is loaded (the recipe passed :mod:`megatron_gspo.checks`)."""
         self.recipe, self.run_dir, self.groups = recipe, run_dir, groups
         self.rank0 = dist.get_rank() == 0
-        max_prompt_tokens = _check_recipe(recipe)
+        max_prompt_tokens = recipe.model.max_seq_length - recipe.rollout.max_new_tokens
         self.stream = PromptStream(
             recipe.data, seed=recipe.rollout.seed, max_prompt_tokens=max_prompt_tokens
         )
         tokenizer = self.stream.tokenizer
-        if tokenizer.vocab_size > recipe.model.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-                f"{recipe.model.vocab_size}"
-            )
         self.eval_set = eval_prompts(recipe, max_prompt_tokens) if recipe.eval.every else []
         self.rewards = None
         if self.rank0 and recipe.reward.functions:
             self.rewards = RewardComputer(recipe.reward)
             self.rewards.start()
-        self.policy = Policy(recipe, self.groups)
+        self.policy = Policy(recipe, groups)
         self.trainer = GSPOTrainer(self.policy)
         self.engine = make_engine(recipe, self.policy)
         self.sampler = EpisodeSampler(recipe, self.engine, self.stream)
@@ -78,35 +61,43 @@ class Session:
             run_dir / "checkpoints", self.policy, keep=recipe.run.keep_checkpoints
         )
         self.start, self.best_eval = 0, None
-        state = self._resume_or_init(resume)
+        self._queued: list = []
+
+    def resume(self, start: Start) -> None:
+        """The weights (and data position, queued rollouts) to start from: the checkpoint of
+        ``start.step`` (:mod:`megatron_gspo.rundir` chose and verified it), else
+        ``run.init_from``; then the engine samples from them."""
+        if start.step:
+            state = self.checkpoints.load(start.step, manifest=start.manifest)
+            self.start, self.stream.position = start.step, state["data_position"]
+            self.stream.skipped = state.get("prompts_skipped", 0)
+            self.best_eval = state.get("eval_best")
+            self._queued = state.get("rollout_queue", [])
+            log.info("resumed from %s at step %d", self.checkpoints.dir, self.start)
+        elif self.recipe.run.init_from:
+            self.policy.load_weights(self.recipe.run.init_from)
+            log.info("initial weights from %s", self.recipe.run.init_from)
         # Whatever a server loaded at start-up, it samples from the trainer's weights from
         # here on; the weights version is the number of steps applied.
         self.engine.sync_weights(self.start)
+
+    def begin(self, start: Start) -> None:
+        """Just before the first step: the run directory's earlier steps past the checkpoint
+        forgotten, metrics opened, the rollouts set up (the checkpoint's queue restored)."""
+        if self.rank0:
+            begin(self.run_dir, start)
+            (self.run_dir / "recipe.yaml").write_text(
+                yaml.safe_dump(self.recipe.model_dump(mode="json"), sort_keys=False)
+            )
         self.logger = MetricsLogger(
-            run_dir,
+            self.run_dir,
             enabled=self.rank0,
-            tensorboard=recipe.run.tensorboard,
-            wandb_project=recipe.run.wandb_project,
-            resume_step=self.start,
-            config=recipe.model_dump(),
+            tensorboard=self.recipe.run.tensorboard,
+            wandb_project=self.recipe.run.wandb_project,
+            config=self.recipe.model_dump(),
         )
         self.rollouts = self.sampler.rollouts(next_step=self.start + 1)
-        if state is not None:
-            self.rollouts.restore(state.get("rollout_queue", []))
-
-    def _resume_or_init(self, resume: bool) -> dict[str, Any] | None:
-        latest = self.checkpoints.latest_step() if resume else None
-        if latest is not None:
-            state = self.checkpoints.load(latest)
-            self.start, self.stream.position = latest, state["data_position"]
-            self.stream.skipped = state.get("prompts_skipped", 0)
-            self.best_eval = state.get("eval_best")
-            log.info("resumed from %s at step %d", self.checkpoints.dir, self.start)
-            return state
-        if self.recipe.run.init_from:
-            self.policy.load_weights(self.recipe.run.init_from)
-            log.info("initial weights from %s", self.recipe.run.init_from)
-        return None
+        self.rollouts.restore(self._queued)
 
     # -- the loop's parts ----------------------------------------------------------------------
 

@@ -18,8 +18,6 @@ Every rank runs :func:`train` (``torchrun`` or a single process); its parts come
 from __future__ import annotations
 
 import logging
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,13 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checks import refuse_problems
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.dynamic_sampling import groups_without_signal
-from megatron_gspo.errors import PREEMPTED_MARKER
+from megatron_gspo.errors import PREEMPTED_MARKER, catch_sigterm, sigterm_received
 from megatron_gspo.parallel import init_parallel
 from megatron_gspo.rollout.kl_guard import RolloutKLGuard
 from megatron_gspo.rollout.pipeline import Batch
+from megatron_gspo.rundir import RunOptions, on_rank0, open_run
 from megatron_gspo.session import Session
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ class StopFlag:
     """Set by SIGTERM (Slurm pre-emption, ``scontrol requeue``): finish the step, save, exit."""
 
     def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._set)
+        catch_sigterm()
 
-    def _set(self, signum, frame) -> None:
-        self.requested = True
+    @property
+    def requested(self) -> bool:
+        return sigterm_received()
 
     def any_rank(self) -> bool:
         flag = torch.tensor([1 if self.requested else 0])
@@ -63,41 +63,13 @@ PREEMPTED = PREEMPTED_MARKER
 
 
 class Preempted(Exception):
-    """The run stopped on SIGTERM after saving a checkpoint at ``step``; resume to continue."""
+    """The run stopped on SIGTERM after saving a checkpoint at ``step`` (or, ``saved=False``,
+    during start-up, having written nothing); resume to continue."""
 
-    def __init__(self, step: int, run_dir: Path) -> None:
-        super().__init__(f"stopped on SIGTERM after saving step {step} in {run_dir}")
+    def __init__(self, step: int, run_dir: Path, *, saved: bool = True) -> None:
+        what = f"after saving step {step}" if saved else "during start-up (nothing to save)"
+        super().__init__(f"stopped on SIGTERM {what} in {run_dir}")
         self.step, self.run_dir = step, run_dir
-
-
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked; the message says what is there."""
-
-
-# What a run writes into its directory (and --overwrite removes).
-RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "plots", "recipe.yaml")
-
-
-def _start_afresh(run_dir: Path, *, overwrite: bool) -> None:
-    """Refuse to start over on top of an earlier run, unless asked to delete it."""
-    present = [run_dir / name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
-    if not present:
-        return
-    if not overwrite:
-        ckpts = sorted((run_dir / "checkpoints").glob("iter_*"))
-        metrics = run_dir / "metrics.jsonl"
-        steps = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-        raise RunDirError(
-            f"{run_dir} holds a run ({len(ckpts)} checkpoint(s), metrics for {steps} step(s)); "
-            "--no-resume would start over on top of it. Pick another --output-dir, resume it, "
-            f"or add --overwrite to delete {', '.join(p.name for p in present)}"
-        )
-    log.warning("--overwrite: deleting %s", ", ".join(str(p) for p in present))
-    for path in present:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def train(
@@ -107,20 +79,32 @@ def train(
     resume: bool = True,
     steps: int | None = None,
     overwrite: bool = False,
+    resume_from_last_good: bool = False,
+    trust_unverified: bool = False,
 ) -> Path:
     """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory.
 
-    ``resume=False`` starts afresh: refused where the directory holds a run, unless
-    ``overwrite`` (which deletes that run first)."""
+    Where it starts, or why it refuses to, is :mod:`megatron_gspo.rundir`'s decision: resume
+    from the directory's checkpoint (``resume_from_last_good``: the newest that verifies;
+    ``trust_unverified``: one without a manifest), or, ``resume=False``, start afresh,
+    refused where the directory holds a run unless ``overwrite`` (which deletes it first)."""
+    stop = StopFlag()  # first: a SIGTERM during start-up stops the run, not the process
     run_dir = Path(output_dir)
     total = steps if steps is not None else recipe.run.steps
-    stop = StopFlag()
     groups = init_parallel(recipe.parallel)
-    _prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    run = Session(recipe, run_dir, groups, resume=resume)
+    on_rank0(refuse_problems, recipe, run_dir)
+    options = RunOptions(resume, overwrite, resume_from_last_good, trust_unverified)
+    total_from = "--steps" if steps is not None else "run.steps"
+    lock, start = open_run(run_dir, options, total=total, total_from=total_from)
+    if start.done:
+        return _release(lock, run_dir)
+    _stop_before_start(stop, start.step, run_dir, lock)
+    run = Session(recipe, run_dir, groups)
+    _stop_before_start(stop, start.step, run_dir, lock)
+    run.resume(start)
+    _stop_before_start(stop, start.step, run_dir, lock)
+    run.begin(start)
     rank0 = run.rank0
-    if rank0:
-        (run_dir / "recipe.yaml").write_text(_yaml(recipe))
     if recipe.eval.every and run.start == 0:
         run.logger.log(0, run.evaluate(0))
     run.rollouts.resume()
@@ -192,27 +176,26 @@ def train(
     if stopping:
         if rank0:
             (run_dir / PREEMPTED).write_text(f"{step}\n")
+        _release(lock, run_dir)
         raise Preempted(step, run_dir)
+    return _release(lock, run_dir)
+
+
+def _release(lock, run_dir: Path) -> Path:
+    if lock is not None:
+        lock.release()
     return run_dir
 
 
-def _prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Clear a stale pre-emption marker; refuse (or, asked to, delete) an earlier run where
-    the run starts afresh. Collective."""
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        (run_dir / PREEMPTED).unlink(missing_ok=True)
-    if resume:
+def _stop_before_start(stop: StopFlag, step: int, run_dir: Path, lock) -> None:
+    """A SIGTERM before the first step: exit 75 having written nothing but the pre-emption
+    marker (which tells ``launch`` to pass 75 on)."""
+    if not stop.any_rank():
         return
-    error: list = [None]
-    if rank0:
-        try:
-            _start_afresh(run_dir, overwrite=overwrite)
-        except RunDirError as e:
-            error[0] = str(e)
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise RunDirError(error[0])
+    if dist.get_rank() == 0:
+        (run_dir / PREEMPTED).write_text(f"{step}\n")
+    _release(lock, run_dir)
+    raise Preempted(step, run_dir, saved=False)
 
 
 def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:
@@ -221,12 +204,6 @@ def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, 
     if not lags:
         return {}
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
-
-
-def _yaml(recipe: Recipe) -> str:
-    import yaml
-
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
 
 
 def _plot(run_dir: Path) -> None:

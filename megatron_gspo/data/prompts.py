@@ -14,6 +14,11 @@ from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataError", "Prompt", "PromptStream"]
 
+# A prompt longer than (max prompt tokens + 1) x this many characters is first tokenized only
+# that far: natural text and code average under 5 characters a token.
+_CHARS_PER_TOKEN = 16
+_CUT_MARGIN = 8
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -78,6 +83,25 @@ class PromptStream:
         bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
         return bos + self.tokenizer.encode(text)
 
+    def _encode_bounded(self, text: str) -> tuple[list[int], str]:
+        """The prompt's ids, and how many there are, in words. A text much longer than any
+        prompt that fits is tokenized only as far as a prefix that already holds too many
+        tokens: a tokenizer holds the whole text's ids (and more) in memory at once, gigabytes
+        for one 10 MB line."""
+        limit = self.max_prompt_tokens
+        cut = (limit + 1) * _CHARS_PER_TOKEN if limit is not None else len(text)
+        if len(text) > cut:
+            ids = self.encode_prompt(text[:cut])
+            # A prefix's last word may split into more tokens than it would whole; the margin
+            # keeps such a prompt from being called too long by a token or two.
+            if len(ids) > limit + _CUT_MARGIN:
+                return (
+                    ids,
+                    f"more than {len(ids) - _CUT_MARGIN} tokens in its first {cut} characters",
+                )
+        ids = self.encode_prompt(text)
+        return ids, f"{len(ids)} tokens"
+
     def next_batch(self, n: int) -> list[Prompt]:
         """The next ``n`` prompts that fit (``position`` counts every record consumed)."""
         out: list[Prompt] = []
@@ -86,12 +110,12 @@ class PromptStream:
         while len(out) < n:
             r = self._record(self.position)
             self.position += 1
-            ids = self.encode_prompt(r["prompt"])
+            ids, counted = self._encode_bounded(r["prompt"])
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                 where = r.get("where") or f"{self._task.name} example {self.position - 1}"
                 why = (
-                    f"{where}: the prompt has {len(ids)} tokens; at most "
-                    f"{self.max_prompt_tokens} fit beside rollout.max_new_tokens within "
+                    f"{where}: the prompt has {counted}; at most "
+                    f"{self.max_prompt_tokens} tokens fit beside rollout.max_new_tokens within "
                     "model.max_seq_length"
                 )
                 if self.overlong == "fail":

@@ -156,7 +156,7 @@ def resolve_reward(name: str) -> RewardFn:
 
 def check_reward_function(name: str, kwargs: dict, where: str = "reward.functions") -> RewardFn:
     """The function ``name`` resolves to, once it is known to accept ``kwargs``."""
-    fn = resolve_reward(name)
+    fn = resolve(name, REWARDS, key=where, what="reward")
     check_kwargs(fn, name, kwargs, key=where, args=("response", "answer"))
     return fn
 

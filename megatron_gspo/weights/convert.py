@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -305,7 +306,7 @@ def megatron_to_hf(
     if not (src / "metadata.json").is_file():
         raise ConversionError(f"{src}: not a Megatron distributed checkpoint (no metadata.json)")
     if (src / "manifest.json").is_file():  # a training checkpoint: check it before reading
-        from megatron_gspo.checkpoint import CheckpointError, verify_checkpoint
+        from megatron_gspo.manifest import CheckpointError, verify_checkpoint
 
         try:
             verify_checkpoint(src)
@@ -408,14 +409,16 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_size=parse_size(args.max_shard_size),
                 progress=not args.no_progress,
             )
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except Exception as e:  # noqa: BLE001 - the command line's boundary: one line, no traceback
-        if os.environ.get("MEGATRON_GSPO_DEBUG"):
-            raise
-        first = (str(e).splitlines() or [""])[0][:500]
-        print(f"error: {args.src}: {type(e).__name__}: {first}", file=sys.stderr)
+        from megatron_gspo.errors import debug_enabled
+
+        if debug_enabled():
+            traceback.print_exception(e)
+        if isinstance(e, ConversionError):
+            print(f"Error: {e}", file=sys.stderr)
+        else:
+            first = (str(e).splitlines() or [""])[0][:500]
+            print(f"Error: {args.src}: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0

@@ -1,0 +1,289 @@
+"""What ``train`` would refuse before its first step, checked alike by ``validate``.
+
+The schema (:mod:`megatron_gspo.config`) checks each section and the rules between sections;
+these checks need more than the recipe's text: the reward functions it names (importable,
+taking the recipe's kwargs), the tokenizer, the run directory, and the checkpoint a run would
+start from (written for the recipe's model). Each check takes the recipe and the run directory
+and returns its problems, one line each naming the key, file or value. ``CHECKS`` lists them;
+user code of a new kind that a recipe names (an environment, a tool) adds its check there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_gspo.config import ModelConfig, Recipe
+
+
+@dataclass(frozen=True)
+class Problem:
+    message: str
+    # The recipe is fine, but this machine lacks what it names (a module, a file): validate
+    # exits 3 rather than 1 for these.
+    here_only: bool = False
+
+
+class ModelMismatchError(ValueError):
+    """A checkpoint written for another model than the recipe's."""
+
+
+def check_data(recipe: Recipe, run_dir: Path) -> list[Problem]:
+    if recipe.data is None:
+        return [Problem("the recipe has no data section (data.task or data.path)")]
+    out = []
+    if recipe.rollout.max_new_tokens >= recipe.model.max_seq_length:
+        out.append(
+            Problem(
+                f"rollout.max_new_tokens ({recipe.rollout.max_new_tokens}) leaves no room for a "
+                f"prompt within model.max_seq_length ({recipe.model.max_seq_length})"
+            )
+        )
+    try:
+        tokenizer = _tokenizer(recipe)
+    except (ValueError, OSError) as e:  # the message names the file
+        return [*out, Problem(str(e))]
+    if tokenizer is not None and tokenizer.vocab_size > recipe.model.vocab_size:
+        out.append(
+            Problem(
+                f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+                f"{recipe.model.vocab_size}"
+            )
+        )
+    return out
+
+
+def _tokenizer(recipe: Recipe):
+    """The recipe's tokenizer, None where it or the data file is missing here (reported
+    first, as such, by ``validate`` and by ``train`` reading the data)."""
+    data = recipe.data
+    if data.task is not None:
+        from megatron_gspo.data.tasks import SyntheticTask
+
+        return SyntheticTask(data.task, **data.task_options).tokenizer
+    if any(f is None or not Path(f).exists() for f in (data.path, data.tokenizer)):
+        return None
+    from megatron_gspo.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(data.tokenizer)
+
+
+def check_rewards(recipe: Recipe, run_dir: Path) -> list[Problem]:
+    """Every reward function resolves and accepts ``(response, answer, **kwargs)``."""
+    from megatron_gspo.data.rewards import check_reward_function
+
+    out = []
+    for i, f in enumerate(recipe.reward.functions):
+        try:
+            check_reward_function(f.name, dict(f.kwargs), where=f"reward.functions[{i}]")
+        except ValueError as e:
+            out.append(Problem(str(e), here_only=_module_missing(f.name)))
+    return out
+
+
+def check_environment(recipe: Recipe, run_dir: Path) -> list[Problem]:
+    """The environment of multi-turn episodes resolves and accepts its ``env_kwargs``."""
+    from megatron_gspo.episodes.environment import check_environment as check
+
+    multi = recipe.rollout.multi_turn
+    if multi is None:
+        return []
+    try:
+        check(multi.env, dict(multi.env_kwargs))
+    except ValueError as e:
+        return [Problem(str(e), here_only=_module_missing(multi.env))]
+    return []
+
+
+def _module_missing(name: str) -> bool:
+    """Whether ``package.module:attr`` names a module that is not installed here."""
+    if ":" not in name:
+        return False
+    try:
+        return importlib.util.find_spec(name.partition(":")[0]) is None
+    except ImportError:
+        return True
+
+
+def check_output_dir(recipe: Recipe, run_dir: Path) -> list[Problem]:
+    """The run directory is a directory, or can be created, and can be written."""
+    path = run_dir.absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is" if existing == path else f"cannot be created: {existing} is"
+        return [Problem(f"run directory {run_dir} {what} a file, not a directory")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" ({existing}, where it would be created)"
+        return [Problem(f"run directory {run_dir}{what} is not writable", here_only=True)]
+    return []
+
+
+Check = Callable[[Recipe, Path], list[Problem]]
+CHECKS: list[Check] = [check_data, check_rewards, check_environment, check_output_dir]
+
+
+def find_problems(recipe: Recipe, run_dir: str | Path) -> list[Problem]:
+    return [p for check in CHECKS for p in check(recipe, Path(run_dir))]
+
+
+def refuse_problems(recipe: Recipe, run_dir: str | Path) -> None:
+    """Raise naming every problem ``train`` would otherwise meet before its first step."""
+    from megatron_gspo.recipe import RecipeError
+
+    problems = find_problems(recipe, run_dir)
+    if problems:
+        raise RecipeError("; ".join(p.message for p in problems))
+
+
+# -- a checkpoint written for the recipe's model -------------------------------------------
+
+
+def model_mismatch(
+    directory: Path,
+    expected: dict[str, tuple[int, ...]],
+    model: ModelConfig,
+    *,
+    recorded: dict[str, Any] | None,
+    any_vocab_rows: bool,
+) -> str | None:
+    """Why the checkpoint in ``directory`` does not fit a model whose tensors have the
+    ``expected`` global shapes, or None.
+
+    The shapes are read from Megatron's checkpoint metadata, so any checkpoint is compared;
+    where the checkpoint recorded its model (``recorded``: training checkpoints, and
+    ``model_config.yaml`` of converted ones), the message names the keys that differ.
+    ``any_vocab_rows``: the vocabulary's padded rows may differ (``run.init_from``)."""
+    from megatron_gspo.weights.dist_ckpt import _saved_shapes
+    from megatron_gspo.weights.shards import VOCAB_TENSORS
+
+    saved = {
+        k: v
+        for k, v in _saved_shapes(directory).items()
+        if not k.startswith(("optimizer.", "reference."))
+    }
+    first = None
+    for key, shape in expected.items():
+        have = saved.get(key)
+        rows = 1 if any_vocab_rows and key in VOCAB_TENSORS else 0
+        if have is None or have[rows:] != shape[rows:]:
+            first = f"{key}: {list(have) if have else 'absent'} saved, {list(shape)} here"
+            break
+    if first is None:
+        extra = sorted(set(saved) - set(expected))
+        if not extra:
+            return None
+        first = f"{extra[0]}: saved, absent here"
+    fields = _differing_fields(recorded, model) if recorded else []
+    why = f"it was written for {', '.join(fields)}" if fields else "its tensors differ"
+    return f"checkpoint {directory} does not fit the recipe's model: {why} ({first})"
+
+
+def _differing_fields(recorded: dict[str, Any], model: ModelConfig) -> list[str]:
+    now = model.model_dump(mode="json")
+    return [
+        f"model.{k} {recorded[k]!r}, the recipe says {now[k]!r}"
+        for k in now
+        if k in recorded and recorded[k] != now[k]
+    ]
+
+
+def module_shapes(module) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor ``module`` saves in a distributed checkpoint."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = module.sharded_state_dict()
+    apply_factories(sharded)
+    return {
+        v.key: tuple(v.global_shape) for v in nested_values(sharded) if isinstance(v, ShardedTensor)
+    }
+
+
+def check_checkpoint_model(
+    directory: Path, policy, *, recorded: dict[str, Any] | None, any_vocab_rows: bool = False
+) -> None:
+    """Refuse, on every rank, a checkpoint written for another model (collective: each rank
+    knows the shapes of its own stage)."""
+    import torch.distributed as dist
+
+    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(parts, module_shapes(policy.model))
+    expected = {k: v for part in parts for k, v in part.items()}
+    why = model_mismatch(
+        directory,
+        expected,
+        policy.recipe.model,
+        recorded=recorded,
+        any_vocab_rows=any_vocab_rows,
+    )
+    if why:
+        raise ModelMismatchError(why)
+
+
+def recorded_model(directory: Path) -> dict[str, Any] | None:
+    """The model a checkpoint says it holds: a training checkpoint's manifest, or the
+    ``model_config.yaml`` that ``convert hf-to-megatron`` writes."""
+    from megatron_gspo.manifest import read_manifest
+
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        return manifest.get("model")
+    config = directory / "model_config.yaml"
+    if config.is_file():
+        return (yaml.safe_load(config.read_text()) or {}).get("model")
+    return None
+
+
+def _start_checkpoint(recipe: Recipe, run_dir: Path) -> tuple[Path, bool] | None:
+    """The checkpoint a run in ``run_dir`` would load first (resuming, else
+    ``run.init_from``), and whether its vocabulary rows may differ."""
+    ckpts = run_dir / "checkpoints"
+    latest = ckpts / "latest"
+    if latest.is_file():
+        text = latest.read_text(errors="replace").strip()
+        if text.isdigit() and (ckpts / f"iter_{int(text):07d}").is_dir():
+            return ckpts / f"iter_{int(text):07d}", True
+    saved = sorted(p for p in ckpts.glob("iter_*") if p.is_dir()) if ckpts.is_dir() else []
+    if saved:
+        return saved[-1], True
+    init = recipe.run.init_from
+    if init and (Path(init) / "metadata.json").is_file():
+        return Path(init), True
+    return None
+
+
+def checkpoint_problem(recipe: Recipe, run_dir: str | Path) -> Problem | None:
+    """A checkpoint that a run would start from, written for another model (``validate``;
+    ``train`` compares at load time with the same :func:`model_mismatch`)."""
+    found = _start_checkpoint(recipe, Path(run_dir))
+    if found is None:
+        return None
+    directory, any_vocab_rows = found
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_gspo.weights.dist_ckpt import checkpoint_layout
+
+    expected = {
+        e.item.key: tuple(e.item.global_shape)
+        for e in checkpoint_layout(recipe.model)
+        if isinstance(e.item, ShardedTensor)
+    }
+    try:
+        why = model_mismatch(
+            directory,
+            expected,
+            recipe.model,
+            recorded=recorded_model(directory),
+            any_vocab_rows=any_vocab_rows,
+        )
+    except Exception as e:  # noqa: BLE001 - unreadable metadata: say so, as train would fail
+        return Problem(f"checkpoint {directory}: cannot read its metadata ({e})")
+    return Problem(why) if why else None
