@@ -23,12 +23,21 @@ import socket
 import sys
 import weakref
 
-__all__ = ["die_with_parent", "free_port", "kill_at_exit", "local_world_env"]
+__all__ = ["die_with_parent", "exiting", "free_port", "kill_at_exit", "local_world_env"]
 
 _HELPERS: weakref.WeakSet = weakref.WeakSet()
+_exiting = False
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting and its helpers are being killed: whoever would
+    replace a helper that died (the worker pools) must not start a new one now."""
+    return _exiting
 
 
 def _kill_helpers() -> None:
+    global _exiting
+    _exiting = True
     for proc in list(_HELPERS):
         if proc.is_alive():
             proc.kill()

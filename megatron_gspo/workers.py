@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from megatron_gspo.procs import kill_at_exit
+from megatron_gspo.procs import exiting, kill_at_exit
 
 __all__ = ["Outcome", "WorkerPool", "WorkerPoolError"]
 
@@ -243,7 +243,7 @@ class WorkerPool:
         if self._broken:
             self._fail_pending(self._broken)
             return
-        while len(self._workers) < self.size and (self._pending or self._all):
+        while len(self._workers) < self.size and (self._pending or self._all) and not exiting():
             self._workers.append(_Worker(self._ctx, self.setup, self.args))
 
     def _assign(self) -> None:
@@ -311,7 +311,8 @@ class WorkerPool:
         w.kill()
         self._workers.remove(w)
         self.replaced += 1
-        if restart and not self._closed:
+        # Not at interpreter exit: the helpers being killed then must stay dead.
+        if restart and not self._closed and not exiting():
             self._workers.append(_Worker(self._ctx, self.setup, self.args))
 
     def _fail_pending(self, why: str) -> None:
