@@ -43,12 +43,29 @@ class _Calls:
     done: int = 0
 
 
+def latency(seed: int, call: int, median_s: float = 0.1, sigma: float = 1.0) -> float:
+    """The tool latency of an episode's ``call``-th call (the same draw in both runs)."""
+    return random.Random(f"{seed}:{call}").lognormvariate(math.log(median_s), sigma)
+
+
+def ideal_seconds(records: list[str], median_s: float) -> tuple[float, float]:
+    """The two ways' times with generation taking no time at all (``records``: the episodes'
+    ``"calls:seed"``): lock-step waits, at each turn, for the slowest call of the turn;
+    concurrent episodes for the slowest episode."""
+    pairs = [tuple(int(x) for x in r.split(":")) for r in records]
+    draws = [[latency(seed, j, median_s) for j in range(n)] for n, seed in pairs]
+    lockstep = sum(
+        max(d[j] for d in draws if len(d) > j) for j in range(max(len(d) for d in draws))
+    )
+    return lockstep, max(sum(d) for d in draws)
+
+
 class LatencyTool:
     """An environment whose every turn is a tool call taking a lognormal time; the episode's
     number of tool turns and its seed come with its record (``answer: "turns:seed"``)."""
 
-    def __init__(self, median_s: float = 0.1, sigma: float = 1.0) -> None:
-        self.mu, self.sigma = math.log(median_s), sigma
+    def __init__(self, median_s: float = 0.1) -> None:
+        self.median_s = median_s
 
     def reset(self, prompt: str, answer: str) -> _Calls:
         turns, seed = answer.split(":")
@@ -59,11 +76,10 @@ class LatencyTool:
 
         if state.done == state.turns:
             return Step(done=True)
-        rng = random.Random(f"{state.seed}:{state.done}")
-        latency = rng.lognormvariate(self.mu, self.sigma)
-        time.sleep(latency)
+        seconds = latency(state.seed, state.done, self.median_s)
+        time.sleep(seconds)
         after = _Calls(state.turns, state.seed, state.done + 1)
-        return Step("result", 0.0, False, after, {"tool_calls": 1.0, "tool_time_s": latency})
+        return Step("result", 0.0, False, after, {"tool_calls": 1.0, "tool_time_s": seconds})
 
 
 def model_config():
@@ -91,6 +107,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--median-s", type=float, default=0.1, help="the tool's median latency")
+    parser.add_argument("--seed", type=int, default=0, help="of the episodes' draws")
     args = parser.parse_args()
 
     from megatron_gspo.data.prompts import Prompt
@@ -106,9 +123,13 @@ def main() -> None:
     )
 
     cfg = model_config()
-    draws = random.Random(0)
+    draws = random.Random(args.seed)
     prompts = [
-        Prompt("", f"{draws.randint(1, 5)}:{k}", [draws.randrange(2, 60) for _ in range(8)])
+        Prompt(
+            "",
+            f"{draws.randint(1, 5)}:{args.seed * 1000 + k}",
+            [draws.randrange(2, 60) for _ in range(8)],
+        )
         for k in range(args.episodes)
     ]
     # One more model turn than tool turns: the last answers without a call.
@@ -160,6 +181,11 @@ def main() -> None:
                     flush=True,
                 )
     envs.close()
+    lock_s, conc_s = ideal_seconds([p.answer for p in prompts], args.median_s)
+    print(
+        f"these draws with generation taking no time: lockstep {lock_s:.2f} s, concurrent "
+        f"{conc_s:.2f} s, ratio {lock_s / conc_s:.2f} (what the two ways could reach at best)"
+    )
     x, y = statistics.median(rates["lockstep"]), statistics.median(rates["concurrent"])
     print(
         f"multi_turn: lockstep {x:.2f} episodes/s, concurrent {y:.2f} episodes/s, ratio {y / x:.2f}"
