@@ -11,7 +11,8 @@ import torch
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
-from megatron_gspo.plan import GIB, active_parameters, count_parameters
+from megatron_gspo.model.counts import active_parameters, count_parameters
+from megatron_gspo.plan import GIB
 from megatron_gspo.preflight.measure import median_time
 from megatron_gspo.preflight.sizes import Size, gspo_step_flops
 from megatron_gspo.rollout.local import LocalEngine
