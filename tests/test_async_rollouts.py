@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_gspo.config import Recipe
@@ -87,6 +88,7 @@ def _slow_train(rank, world, data: dict, steps: int, delay_s: float):
     _train(rank, world, data, steps, True)
 
 
+@pytest.mark.slow
 def test_staleness_never_exceeds_the_bound_even_with_a_slow_trainer(tmp_path):
     k = 2
     data = loop_recipe(
@@ -106,6 +108,7 @@ def test_staleness_never_exceeds_the_bound_even_with_a_slow_trainer(tmp_path):
     assert records[-1]["rollout_kl_k3"] > 0, "stale samples should differ from the old policy"
 
 
+@pytest.mark.slow
 def test_staleness_1_under_two_ranks_resumes_exactly(tmp_path):
     """Batches queued at a checkpoint are saved with it, the rollout's routes included, so
     2 + 2 steps equal 4 (EP2, rollout routing replay)."""

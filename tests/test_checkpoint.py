@@ -39,6 +39,7 @@ def _close(a: float, b: float, rel: float = 1e-4) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "first,then",
     [
@@ -137,6 +138,7 @@ def test_weights_holding_nan_are_never_checkpointed(tmp_path):
     assert "NaN" in message and latest == 1, (message, latest)
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_resumes_bit_exactly_on_the_same_layout(tmp_path):
     """Adam's step count and moments come back exactly (DP2, distributed optimizer)."""
     straight = _layout(tmp_path / "straight", **DP2_DISTOPT)

@@ -308,6 +308,7 @@ def test_cp2_with_the_router_aux_loss_equals_single_rank():
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cp2_run_under_torchrun_samples_in_a_generation_worker(tmp_path):
     """The CLI under torchrun at CP 2: the in-process engine cannot decode over CP ranks, so
     the recipe samples in a generation worker (which must not wait on torchrun's store)."""

@@ -3,6 +3,8 @@ what is trained, and a resumed run continues exactly."""
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_gspo.data.packing import Sample
 from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
 from tests.test_async_rollouts import _comparable
@@ -40,6 +42,7 @@ def test_fill_stops_after_max_rounds_with_what_it_has():
     assert m["filtered_groups_fraction"] == 1.0
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_only_on_signal_and_resumes_exactly(tmp_path):
     common = {
         "run": {"plot_every": 0, "tensorboard": False, "checkpoint_every": 2},

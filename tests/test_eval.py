@@ -23,6 +23,7 @@ def test_pass_at_k_counts_prompts_with_a_passing_response():
     assert pass_at_k([[0.5, 0.2]], threshold=0.5) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1], ids=["on-policy", "staleness-1"])
 def test_eval_is_logged_at_step_0_and_every_n_and_changes_no_training_step(tmp_path, staleness):
     plain = loop_recipe(tmp_path / "plain", run=QUIET, rollout={"max_staleness": staleness})

@@ -17,6 +17,9 @@ import yaml
 from tests.test_async_rollouts import _comparable
 from tests.test_train_loop import _cli_train, _metrics, _wait_for, loop_recipe
 
+# Fault injection at random moments and whole runs per case: the slow tier, every test here.
+pytestmark = pytest.mark.slow
+
 QUIET = {"plot_every": 0, "tensorboard": False}
 
 

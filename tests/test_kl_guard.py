@@ -113,6 +113,7 @@ def _run(tmp_path: Path, perturb: str, steps: int, **rollout) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 def test_a_sampler_with_perturbed_weights_stops_the_run_with_one_line(tmp_path):
     proc = _run(tmp_path, perturb="all", steps=5, max_rollout_kl_steps=2)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -125,6 +126,7 @@ def test_a_sampler_with_perturbed_weights_stops_the_run_with_one_line(tmp_path):
     assert all(r["rollout_kl_k3"] > limit for r in records), records
 
 
+@pytest.mark.slow
 def test_a_spike_and_healthy_steps_do_not_stop_the_run(tmp_path):
     """Only the snapshot of version 1 (the weights step 2 samples from) is perturbed."""
     proc = _run(tmp_path, perturb="1", steps=4, max_rollout_kl_steps=2)

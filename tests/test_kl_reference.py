@@ -74,6 +74,7 @@ def test_plan_counts_the_reference_weights():
     assert with_ref["reference policy (loss.kl_coef)"] == pytest.approx(weights)
 
 
+@pytest.mark.slow
 def test_a_run_with_the_penalty_resumes_exactly(tmp_path):
     quiet = {"plot_every": 0, "tensorboard": False, "checkpoint_every": 2}
     straight = loop_recipe(tmp_path / "straight", run=quiet, loss={"kl_coef": 0.1})

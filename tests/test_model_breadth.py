@@ -337,6 +337,7 @@ def _expert_bias(rank, world, data: dict, step: int) -> dict:
     return {n: b.clone() for n, b in policy.model.named_buffers() if n.endswith("expert_bias")}
 
 
+@pytest.mark.slow
 def test_the_deepseek_flavour_trains_and_its_expert_bias_resumes_exactly(tmp_path):
     from tests.test_async_rollouts import _comparable
     from tests.test_train_loop import straight_and_resumed

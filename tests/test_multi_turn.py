@@ -165,6 +165,7 @@ def multi_turn_recipe(output_dir: Path, **sections) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_episodes_queued_ahead_resume_exactly(tmp_path):
     """Episodes sampled a step ahead are saved with the checkpoint: 2 + 2 steps equal 4."""
     common = dict(rollout={"max_staleness": 1}, train={"routing_replay": "rollout"})
@@ -185,6 +186,7 @@ def test_episodes_queued_ahead_resume_exactly(tmp_path):
     assert '"episodes"' in state and '"turn_ids"' in state
 
 
+@pytest.mark.slow
 def test_a_raising_and_a_hanging_environment_are_counted_and_the_run_goes_on(tmp_path):
     data = multi_turn_recipe(
         tmp_path / "run",

@@ -123,6 +123,7 @@ def test_concurrent_tool_episodes_score_what_was_sampled(server, tmp_path):
         assert observations == want, (observations, want, e["turns"])
 
 
+@pytest.mark.slow
 @requires_vllm
 def test_the_vllm_multi_turn_recipe_learns(server, tmp_path):
     """Through the CLI, as a user runs it against tools/serve_vllm.py's server."""

@@ -275,7 +275,7 @@ def test_routes_that_do_not_fit_the_sequence_are_refused_by_name():
     ok = np.zeros((3 + 4 - 1, LAYERS, K), dtype=np.uint8)
     ok[..., 1] = 1
     c = Completion(token_ids=[4, 5, 6, 7], logprobs=[0.0] * 4, finish_reason="stop", routes=ok)
-    assert checked_routes(Episode.from_completion(c), prompt, recipe) is ok
+    assert np.array_equal(checked_routes(Episode.from_completion(c), prompt, recipe), ok)
     # One row short (the engine left out the prompt's first token), as seen elsewhere.
     c.routes = ok[1:]
     with pytest.raises(ValueError, match=r"routes of shape \(5, 2, 2\).*\[6, 2, 2\]"):

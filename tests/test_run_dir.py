@@ -110,7 +110,14 @@ def _cut_metrics_line(run: Path, index: int) -> None:
     path.write_text("".join(f"{line}\n" for line in lines))
 
 
-@pytest.mark.parametrize("case", sorted(REFUSED))
+# The damaged latest checkpoint is a full load that must fail (the slow tier).
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.slow) if c.startswith("latest") else c
+        for c in sorted(REFUSED)
+    ],
+)
 def test_a_damaged_run_directory_is_refused_and_left_as_it_was(earlier_run, tmp_path, case):
     damage, needles = REFUSED[case]
     run, recipe = _copy(earlier_run, tmp_path)
@@ -137,6 +144,7 @@ MISFITS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(MISFITS))
 def test_a_run_that_does_not_fit_the_directory_is_refused(earlier_run, tmp_path, case):
     changes, args, needles = MISFITS[case]
@@ -155,6 +163,7 @@ def test_steps_already_trained_say_so_and_change_nothing(earlier_run, tmp_path):
     assert _hashes(run) == before
 
 
+@pytest.mark.slow
 def test_a_missing_latest_resumes_from_the_newest_checkpoint_saying_so(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     (run / CKPT / "latest").unlink()
@@ -167,6 +176,7 @@ def test_a_missing_latest_resumes_from_the_newest_checkpoint_saying_so(earlier_r
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_resume_from_last_good_falls_back_loudly(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     _corrupt(_it(run, 4))
@@ -178,6 +188,7 @@ def test_resume_from_last_good_falls_back_loudly(earlier_run, tmp_path):
     assert (run / CKPT / "latest").read_text().strip() == "5"
 
 
+@pytest.mark.slow
 def test_an_unverified_checkpoint_loads_only_when_trusted(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     (_it(run, 4) / "manifest.json").unlink()
@@ -187,6 +198,7 @@ def test_an_unverified_checkpoint_loads_only_when_trusted(earlier_run, tmp_path)
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_a_metrics_line_cut_short_is_dropped_on_resume_and_by_plot(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     with (run / "metrics.jsonl").open("a") as f:
@@ -209,6 +221,7 @@ def test_plot_names_the_line_of_a_bad_metrics_record(earlier_run, tmp_path):
 # -- one trainer per directory ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_not_stale(tmp_path):
     run = tmp_path / "run"
     recipe = _write(tmp_path, loop_recipe(run, run={**QUIET, "checkpoint_every": 1}))
@@ -290,6 +303,7 @@ def test_an_output_dir_under_a_regular_file_is_one_line(tmp_path):
         _one_line_error(proc, "run directory", "afile is a file, not a directory")
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_checkpoint(tmp_path):
     """On a 1 MiB tmpfs (mounting needs root): the first checkpoint (2.4 MB) does not fit."""
     disk = tmp_path / "disk"

@@ -118,10 +118,10 @@ def _learning_recipe(output_dir: Path, seed: int) -> dict:
 
 def _train_with_flipped_advantages(rank, world, data: dict, steps: int, resume: bool):
     """The loop with the sign of every advantage flipped: a broken update that must not learn."""
-    import megatron_gspo.train as loop
+    import megatron_gspo.episodes.scoring as scoring
 
-    correct = loop.group_advantages
-    loop.group_advantages = lambda *args, **kwargs: -correct(*args, **kwargs)
+    correct = scoring.group_advantages
+    scoring.group_advantages = lambda *args, **kwargs: -correct(*args, **kwargs)
     _train(rank, world, data, steps, resume)
 
 
@@ -129,6 +129,7 @@ def _median_of_second_half(rewards: list[float]) -> float:
     return statistics.median(rewards[len(rewards) // 2 :])
 
 
+@pytest.mark.slow
 def test_reward_improves_on_an_easy_task(tmp_path):
     """Every seed learns, and the same recipe with flipped advantages does not.
 
@@ -173,6 +174,7 @@ def test_reward_improves_on_an_easy_task(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     straight = loop_recipe(tmp_path / "straight")
     split = loop_recipe(tmp_path / "split")
@@ -214,6 +216,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     recipe = tmp_path / "recipe.yaml"
@@ -232,6 +235,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "SIGTERM: saved a checkpoint" in out
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_path):
     run = tmp_path / "run"
     recipe = tmp_path / "recipe.yaml"
