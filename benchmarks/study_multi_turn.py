@@ -124,7 +124,8 @@ def section(args) -> list[str]:
         "- Task: `recipes/tiny-multi-turn.yaml`: the tiny MoE from scratch copies a 1-3 digit",
         "  string in each of 3 turns; the strings after the first are revealed only by the",
         "  environment's turn (`relay_digits`), each turn rewarded by `digit_match` (reward up",
-        "  to 3). A turn cut at 4 tokens without its end-of-sequence ends the episode.",
+        "  to 3). A turn cut at 4 tokens goes on to the next observation",
+        "  (`end_on_cut_turn: false`).",
         f"- {args.steps} steps, seeds {args.seeds}, the recipe's settings otherwise; methods:",
         "  GSPO (one advantage per episode), GSPO-token with `advantage_level: turn` (each turn",
         "  weighted by its group-normalised return-to-go), GRPO with the same turn credit",
@@ -154,8 +155,9 @@ def section(args) -> list[str]:
     lines.append("")
     if "gspo" in final and "gspo_token_turn" in final:
         a, b = final["gspo_token_turn"], final["gspo"]
-        spread = [_final(r, "reward_mean") for r in done["gspo"]]
-        spread += [_final(r, "reward_mean") for r in done["gspo_token_turn"]]
+        ours = [_final(r, "reward_mean") for r in done["gspo_token_turn"]]
+        theirs = [_final(r, "reward_mean") for r in done["gspo"]]
+        wins = sum(x > y for x, y in zip(ours, theirs, strict=False))
         verdict = (
             "turn-level credit ends higher"
             if a > b + 0.05
@@ -163,10 +165,19 @@ def section(args) -> list[str]:
             if a < b - 0.05
             else "the two end within 0.05 of each other"
         )
+        settled = (
+            "the seeds' ranges do not overlap"
+            if min(ours) > max(theirs) or max(ours) < min(theirs)
+            else "the seeds' ranges overlap, so these few seeds do not settle it"
+        )
+        clip_a = statistics.mean(_final(r, "clip_fraction_seq") for r in done["gspo_token_turn"])
+        clip_b = statistics.mean(_final(r, "clip_fraction_seq") for r in done["gspo"])
         lines += [
             f"Verdict, from these runs: GSPO-token with turn credit {a:.3f} against GSPO "
-            f"{b:.3f} (final reward, mean over seeds; the seeds range over "
-            f"{min(spread):.3f}-{max(spread):.3f}): {verdict}. The two differ in what the "
+            f"{b:.3f} (final reward, mean over seeds): {verdict} on the mean, higher on "
+            f"{wins} of {min(len(ours), len(theirs))} seeds compared seed by seed; {settled}. "
+            f"It clips {clip_a:.3f} of sequences against GSPO's {clip_b:.3f}. The two differ in "
+            "what the "
             "first turns are credited with: under GSPO every token of an episode carries the "
             "whole episode's advantage, under turn credit a turn's tokens carry what followed "
             "it only, measured against the same turn of the group's other episodes.",
