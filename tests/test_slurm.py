@@ -171,6 +171,7 @@ def _submit(tmp_path: Path, recipe: Path, steps: int, name: str) -> tuple[str, P
     return out.strip().split(";")[0], run_dir
 
 
+@pytest.mark.slow
 @needs_slurm
 def test_cpu_tiny_job_completes_with_checkpoint_and_metrics(slurm_cluster, tmp_path) -> None:
     t0 = time.monotonic()
@@ -188,6 +189,7 @@ def test_cpu_tiny_job_completes_with_checkpoint_and_metrics(slurm_cluster, tmp_p
     assert (tmp_path / "logs" / f"trainer-{_job(job_id)['NodeList']}.log").exists()
 
 
+@pytest.mark.slow
 @needs_slurm
 def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> None:
     steps = 8
@@ -232,6 +234,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
     assert " run 2 on " in batch_log, batch_log
 
 
+@pytest.mark.slow
 @needs_slurm
 def test_time_limit_warning_checkpoints_exits_75_and_requeues_itself(slurm_cluster, tmp_path):
     """USR1 (what --signal=B:USR1@N sends before the time limit): the trainer saves and exits
