@@ -20,7 +20,6 @@ the loss as per-token advantages. Environment tokens are masked out of the loss 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,15 +37,6 @@ __all__ = ["ScoringError", "Scorer", "checked_routes", "final_rewards"]
 
 class ScoringError(ValueError):
     """Too many samples of a step could not be scored; the message names the first failure."""
-
-
-@dataclass
-class _Scores:
-    """Per episode of the batch (flattened, group by group)."""
-
-    final: list[float]  # reward functions (0 where they failed)
-    failed: list[bool]
-    stats: RewardStats
 
 
 class Scorer:
@@ -70,12 +60,12 @@ class Scorer:
     ) -> tuple[list[Sample], dict[str, float]]:
         recipe = self.recipe
         episodes = [e for g in groups for e in g]
-        scores = self._score(prompts, episodes)
+        final, stats = self._score(prompts, episodes)
         env_failed = [e.failure is not None for e in episodes]
-        failed = [a or b for a, b in zip(scores.failed, env_failed, strict=True)]
-        self._stop_if_mostly_failed(episodes, failed, scores.stats)
+        failed = [a or b for a, b in zip(stats.failed, env_failed, strict=True)]
+        self._stop_if_mostly_failed(episodes, failed, stats)
         penalties = self._penalties(episodes)
-        task = [sum(e.turn_rewards) + f for e, f in zip(episodes, scores.final, strict=True)]
+        task = [sum(e.turn_rewards) + f for e, f in zip(episodes, final, strict=True)]
         shaped = [t + p for t, p in zip(task, penalties, strict=True)]
         group = recipe.rollout.group_size
         scale = recipe.loss.advantage_scale
@@ -84,7 +74,7 @@ class Scorer:
         if recipe.loss.advantage_level == "turn":
             returns = [
                 returns_to_go(e.turn_rewards, f + p)
-                for e, f, p in zip(episodes, scores.final, penalties, strict=True)
+                for e, f, p in zip(episodes, final, penalties, strict=True)
             ]
             turn_adv = turn_advantages(returns, group, scale=scale)
         samples = []
@@ -112,8 +102,8 @@ class Scorer:
             keep = [k // group not in bad for k in range(len(samples))]
         metrics = _metrics(episodes, task, shaped, failed, group)
         metrics.update(
-            reward_errors=float(scores.stats.errors),
-            reward_timeouts=float(scores.stats.timeouts),
+            reward_errors=float(stats.errors),
+            reward_timeouts=float(stats.timeouts),
             groups_dropped_on_error=float(dropped),
         )
         if recipe.reward.overlong_penalty is not None:
@@ -128,14 +118,16 @@ class Scorer:
 
     # -- rewards -------------------------------------------------------------------------------
 
-    def _score(self, prompts: list[Prompt], episodes: list[Episode]) -> _Scores:
-        """The reward functions on every episode's last model turn (rank 0, shared)."""
+    def _score(
+        self, prompts: list[Prompt], episodes: list[Episode]
+    ) -> tuple[list[float], RewardStats]:
+        """The reward functions on every episode's last model turn (rank 0, shared): one
+        value per episode (0 where they failed) and the stats that say which failed."""
         box: list = [None]
         if dist.get_rank() == 0:
             group = self.recipe.rollout.group_size
             answers = [prompts[k // group].answer for k in range(len(episodes))]
-            values, stats = final_rewards(episodes, answers, self.rewards, self.decode)
-            box[0] = _Scores(values, stats.failed, stats)
+            box[0] = final_rewards(episodes, answers, self.rewards, self.decode)
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
