@@ -39,6 +39,7 @@ from megatron_gspo.checkpoint import LATEST
 from megatron_gspo.errors import PREEMPTED_MARKER
 from megatron_gspo.manifest import CheckpointError, verify
 from megatron_gspo.metrics import METRICS_FILE, parse_metrics
+from megatron_gspo.rank0 import on_rank0
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +132,6 @@ class RunLock:
 
 
 # -- resume, start afresh or refuse ----------------------------------------------------------
-
-
-def on_rank0(fn, *args):
-    """``fn(*args)`` on rank 0, its result (or its error, raised) on every rank."""
-    out: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            out[0] = ("ok", fn(*args))
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            out[0] = ("error", e)
-    dist.broadcast_object_list(out, src=0)
-    kind, value = out[0]
-    if kind == "error":
-        raise value
-    return value
 
 
 def open_run(

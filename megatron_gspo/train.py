@@ -31,9 +31,10 @@ from megatron_gspo.data.packing import Sample
 from megatron_gspo.dynamic_sampling import groups_without_signal
 from megatron_gspo.errors import PREEMPTED_MARKER, catch_sigterm, sigterm_received
 from megatron_gspo.parallel import init_parallel
+from megatron_gspo.rank0 import on_rank0
 from megatron_gspo.rollout.kl_guard import RolloutKLGuard
 from megatron_gspo.rollout.pipeline import Batch
-from megatron_gspo.rundir import RunOptions, on_rank0, open_run
+from megatron_gspo.rundir import RunOptions, open_run
 from megatron_gspo.session import Session
 
 log = logging.getLogger(__name__)

@@ -24,21 +24,14 @@ from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.render import TurnRenderer
 from megatron_gspo.episodes.runner import EpisodeRunner
+from megatron_gspo.rank0 import on_rank0
 from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.rollout.protocol import SamplingParams
 from megatron_gspo.rollout.vllm.engine import VLLMEngine
 
-__all__ = ["EpisodeSampler", "broadcast_from_rank0"]
+__all__ = ["EpisodeSampler"]
 
 Sampled = tuple[list[list[Episode]], dict[str, float]]
-
-
-def broadcast_from_rank0(fn):
-    """``fn()`` computed on global rank 0 and given to every rank (collective)."""
-    box = [fn() if dist.get_rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class _Shared:
@@ -48,9 +41,7 @@ class _Shared:
         self.inner, self.stats = inner, {}
 
     def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
-        episodes, self.stats = broadcast_from_rank0(
-            lambda: (self.inner.run(prompts, params), self.inner.stats)
-        )
+        episodes, self.stats = on_rank0(lambda: (self.inner.run(prompts, params), self.inner.stats))
         return episodes
 
 
@@ -104,7 +95,7 @@ class EpisodeSampler:
             envs=self.envs,
             render=self.render,
             decode=self.stream.tokenizer.decode if rank0 else None,
-            share=(lambda fn: fn()) if alone else broadcast_from_rank0,
+            share=(lambda fn: fn()) if alone else on_rank0,
         )
 
     def _concurrent(self) -> ConcurrentRunner:

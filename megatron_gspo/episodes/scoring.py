@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.packing import Sample
@@ -31,6 +30,7 @@ from megatron_gspo.data.rewards import RewardComputer, RewardStats, overlong_pen
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.model.routes import check_routes
+from megatron_gspo.rank0 import on_rank0
 
 __all__ = ["ScoringError", "Scorer", "checked_routes", "final_rewards"]
 
@@ -123,13 +123,9 @@ class Scorer:
     ) -> tuple[list[float], RewardStats]:
         """The reward functions on every episode's last model turn (rank 0, shared): one
         value per episode (0 where they failed) and the stats that say which failed."""
-        box: list = [None]
-        if dist.get_rank() == 0:
-            group = self.recipe.rollout.group_size
-            answers = [prompts[k // group].answer for k in range(len(episodes))]
-            box[0] = final_rewards(episodes, answers, self.rewards, self.decode)
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        group = self.recipe.rollout.group_size
+        answers = [prompts[k // group].answer for k in range(len(episodes))]
+        return on_rank0(final_rewards, episodes, answers, self.rewards, self.decode)
 
     def _stop_if_mostly_failed(
         self, episodes: list[Episode], failed: list[bool], stats: RewardStats
