@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch.distributed as dist
-
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.data.rewards import RewardComputer
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.episodes.scoring import final_rewards
+from megatron_gspo.rank0 import on_rank0
 from megatron_gspo.rollout.protocol import SamplingParams
 
 __all__ = ["eval_prompts", "evaluate", "is_eval_step", "pass_at_k"]
@@ -85,26 +84,24 @@ def evaluate(
             seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
         )
 
-    out: list = [None]
     if runner is not None:
         greedy = runner.run(prompts, sampling(1, 0.0, 0))
         sampled = runner.run(prompts, sampling(cfg.k, cfg.temperature, 1))
-    if dist.get_rank() == 0:
+
+    def metrics() -> dict[str, float]:
         answers = [p.answer for p in prompts]
         g_rewards, g_stats = _totals([g[0] for g in greedy], answers, rewards, decode)
         flat = [e for g in sampled for e in g]
         s_flat, s_stats = _totals(flat, [a for a in answers for _ in range(cfg.k)], rewards, decode)
         s_rewards = [s_flat[i * cfg.k : (i + 1) * cfg.k] for i in range(len(prompts))]
-        out = [
-            {
-                "eval_reward_mean": sum(g_rewards) / len(g_rewards),
-                f"eval_mean@{cfg.k}": sum(s_flat) / len(s_flat),
-                f"eval_pass@{cfg.k}": pass_at_k(s_rewards, cfg.pass_threshold),
-                "eval_reward_errors": float(g_stats.errors + s_stats.errors),
-            }
-        ]
-    dist.broadcast_object_list(out, src=0)
-    return out[0]
+        return {
+            "eval_reward_mean": sum(g_rewards) / len(g_rewards),
+            f"eval_mean@{cfg.k}": sum(s_flat) / len(s_flat),
+            f"eval_pass@{cfg.k}": pass_at_k(s_rewards, cfg.pass_threshold),
+            "eval_reward_errors": float(g_stats.errors + s_stats.errors),
+        }
+
+    return on_rank0(metrics)
 
 
 def _totals(episodes: list[Episode], answers, rewards, decode):
