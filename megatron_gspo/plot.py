@@ -16,7 +16,7 @@ PANELS = [
     ("response length", ["response_length_mean"]),
     ("routing", ["routing_flip_rate", "rollout_routing_disagreement"]),
     ("staleness (versions)", ["staleness_mean", "staleness_max"]),
-    ("train vs rollout KL (k3)", ["rollout_kl_k3"]),
+    ("train vs rollout KL (k3)", ["rollout_kl_k3", "rollout_sampler_kl"]),
     ("importance weight", ["is_weight_mean", "is_masked_fraction", "is_truncated_fraction"]),
     ("dynamic sampling", ["filtered_groups_fraction", "train_groups_without_signal"]),
     ("overlong responses", ["overlong_fraction", "overlong_penalty_mean"]),

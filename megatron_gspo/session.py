@@ -8,6 +8,7 @@ the rollout engine and the episodes it samples, checkpoints (and resuming from o
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -118,6 +119,22 @@ class Session:
         )
         metrics.update(filled)
         return samples
+
+    def probe_sampler(self, samples: list[Sample]) -> dict[str, float]:
+        """Right after a weight sync of an off-policy run: the engine and the trainer score a
+        few of the step's sequences with the weights both now hold (``rollout_sampler_kl``
+        over them; :mod:`megatron_gspo.rollout.kl_guard`). On-policy runs need no probe: each
+        batch's tokens were sampled by the weights the trainer scores them with."""
+        n = self.recipe.rollout.sampler_probe
+        if not self.recipe.rollout.max_staleness or not n or not samples:
+            return {}
+        chosen = samples[:: max(1, len(samples) // n)][:n]  # across groups, not one prompt's
+        scored = self.engine.score([s.prompt_ids + s.response_ids for s in chosen])
+        probes = [
+            replace(s, rollout_logprobs=lp[len(s.prompt_ids) - 1 :], routes=None)
+            for s, lp in zip(chosen, scored, strict=True)
+        ]
+        return self.trainer.sampler_kl(probes)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The eval metrics on the weights the engine holds (no generation in flight)."""

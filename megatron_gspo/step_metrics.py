@@ -21,6 +21,25 @@ _UNIT_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ra
 MISMATCH = ("rollout_logprob_abs_diff", "rollout_kl_k3")
 
 
+SAMPLER_KL = "rollout_sampler_kl"
+
+
+def sampler_kl_metrics(k3_sum: float, tokens: float) -> dict[str, float]:
+    """``rollout_sampler_kl`` (mean k3 per token of the engine's log-probs against the
+    trainer's, both on the same weights) and the tokens it covers; nothing without tokens."""
+    if tokens <= 0:
+        return {}
+    return {SAMPLER_KL: k3_sum / tokens, f"{SAMPLER_KL}_tokens": tokens}
+
+
+def merge_sampler_kl(*parts: dict[str, float]) -> dict[str, float]:
+    """One ``rollout_sampler_kl`` over the tokens of several measurements (on-policy tokens
+    of the batch, the probe after a sync), weighted by their token counts."""
+    parts = tuple(p for p in parts if SAMPLER_KL in p)
+    k3 = sum(p[SAMPLER_KL] * p[f"{SAMPLER_KL}_tokens"] for p in parts)
+    return sampler_kl_metrics(k3, sum(p[f"{SAMPLER_KL}_tokens"] for p in parts))
+
+
 def reports_metrics(*, tokens: bool = False) -> bool:
     """One rank per data-parallel replica contributes metrics: TP ranks hold copies, and so do
     CP ranks of the loss's metrics (reduced over the full sequences). ``tokens``: a sum over

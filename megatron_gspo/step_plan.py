@@ -63,14 +63,14 @@ class StepPlanner:
             and config.moe_token_dispatcher_type == "allgather"
         )
 
-    def plan(self, samples: list[Sample]) -> list[MiniBatchPlan]:
+    def plan(self, samples: list[Sample], mini_batches: int | None = None) -> list[MiniBatchPlan]:
+        """``mini_batches`` defaults to the recipe's ``train.mini_batches``."""
         train = self.recipe.train
+        parts = train.mini_batches if mini_batches is None else mini_batches
         n = len(samples)
-        if n < train.mini_batches:
-            raise ValueError(
-                f"{n} samples cannot be split into train.mini_batches={train.mini_batches}"
-            )
-        bounds = [round(k * n / train.mini_batches) for k in range(train.mini_batches + 1)]
+        if n < parts:
+            raise ValueError(f"{n} samples cannot be split into train.mini_batches={parts}")
+        bounds = [round(k * n / parts) for k in range(parts + 1)]
         plans = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             mini = samples[a:b]

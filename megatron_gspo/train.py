@@ -36,6 +36,7 @@ from megatron_gspo.rollout.kl_guard import RolloutKLGuard
 from megatron_gspo.rollout.pipeline import Batch
 from megatron_gspo.rundir import RunOptions, open_run
 from megatron_gspo.session import Session
+from megatron_gspo.step_metrics import merge_sampler_kl
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +134,15 @@ def train(
         t1 = time.perf_counter()
         # 3. The update: old log-probs, then one optimizer step per mini-batch.
         if len(samples) >= recipe.train.mini_batches:
-            metrics.update(run.trainer.step(samples))
+            metrics.update(run.trainer.step(samples, version=step - 1))
         else:  # failed scores or the overlong filter took (nearly) every sample
             log.warning("step %d: %d sample(s) left to train on; no update", step, len(samples))
             metrics["update_skipped"] = 1.0
         # 4. Weight sync, once generation in flight has finished on the weights it started with.
         run.rollouts.pause()
         run.engine.sync_weights(step)
+        # What the engine computes otherwise on the weights it just received (off-policy runs).
+        metrics.update(merge_sampler_kl(metrics, run.probe_sampler(samples)))
         t2 = time.perf_counter()
         # 5. Evaluation, metrics, checkpoint.
         improved = False

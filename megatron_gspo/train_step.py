@@ -47,6 +47,7 @@ from megatron_gspo.step_metrics import (
     reduce_reports,
     reports_metrics,
     router_metrics,
+    sampler_kl_metrics,
 )
 from megatron_gspo.step_plan import MiniBatchPlan, StepPlanner
 
@@ -157,14 +158,20 @@ class GSPOTrainer:
             yield mb, rep["logprobs"].float() * mb.loss_mask
 
     @torch.no_grad()
-    def compute_old_logprobs(self, plans: list[MiniBatchPlan]) -> dict[str, float]:
+    def compute_old_logprobs(
+        self, plans: list[MiniBatchPlan], version: int | None = None
+    ) -> dict[str, float]:
         """Put the pre-update policy's log-probs into every micro-batch (on the last stage).
 
         Also records every micro-batch's routes, and measures the train/rollout mismatch
-        against the rollout log-probs the micro-batches were built with.
+        against the rollout log-probs the micro-batches were built with: over every token
+        (``rollout_kl_k3``, which holds the policy's own change since a stale sample's weights)
+        and over the tokens sampled by the weights the policy holds, ``version``
+        (``rollout_sampler_kl``: the engine's error alone).
         """
         stats = self.policy.router_stats
-        diff = torch.zeros(3, dtype=torch.float64)  # sum |d|, sum k3(d), tokens
+        # sum |d|, sum k3(d), tokens; then sum k3(d) and tokens of the on-policy tokens
+        diff = torch.zeros(5, dtype=torch.float64)
         self.policy.train(False)
         for p_idx, plan in enumerate(plans):
             hooks = {}
@@ -181,8 +188,11 @@ class GSPOTrainer:
                 if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
-                    sums = torch.stack([d.abs().sum(), k3.sum(), mb.loss_mask.sum().double()])
-                    diff += sums.to(diff)
+                    on = torch.zeros_like(k3)
+                    if version is not None:
+                        on = (mb.versions == version).to(k3) * mb.loss_mask
+                    sums = [d.abs().sum(), k3.sum(), mb.loss_mask.sum(), (k3 * on).sum(), on.sum()]
+                    diff += torch.stack(sums).to(diff)
                 mb.old_logprobs = lp
         self.policy.train(True)
         # Each replica measured its own samples, once: sum over the world.
@@ -192,7 +202,25 @@ class GSPOTrainer:
         return {
             "rollout_logprob_abs_diff": float(diff[0] / diff[2]),
             "rollout_kl_k3": float(diff[1] / diff[2]),
+            **sampler_kl_metrics(float(diff[3]), float(diff[4])),
         }
+
+    @torch.no_grad()
+    def sampler_kl(self, samples: list[Sample]) -> dict[str, float]:
+        """``rollout_sampler_kl`` of samples whose ``rollout_logprobs`` the engine computed with
+        the weights the policy holds now: the policy scores the same tokens (one forward-only
+        pass), and the figure is the mean k3 over their scored tokens. Collective."""
+        diff = torch.zeros(2, dtype=torch.float64)
+        (plan,) = self.planner.plan(samples, mini_batches=1)
+        self.policy.train(False)
+        for mb, lp in self._logprob_pass(plan):
+            if mb.has_rollout_logprobs and reports_metrics(tokens=True):
+                d = (lp - mb.old_logprobs).double()
+                k3 = (d.exp() - 1 - d) * mb.loss_mask
+                diff += torch.stack([k3.sum(), mb.loss_mask.sum()]).to(diff)
+        self.policy.train(True)
+        dist.all_reduce(diff)
+        return sampler_kl_metrics(float(diff[0]), float(diff[1]))
 
     @torch.no_grad()
     def compute_reference_logprobs(self, plans: list[MiniBatchPlan]) -> None:
@@ -400,8 +428,9 @@ class GSPOTrainer:
         return {k: totals[i] / count for i, k in enumerate(sums)}
 
     # ---------------------------------------------------------------- the step
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One rollout batch: old log-probs, then one optimizer step per mini-batch."""
+    def step(self, samples: list[Sample], version: int | None = None) -> dict[str, float]:
+        """One rollout batch: old log-probs, then one optimizer step per mini-batch.
+        ``version``: the weights version the policy holds (tells on-policy samples)."""
         from_rollout = self.recipe.train.old_logprobs == "rollout"
         if from_rollout and any(s.rollout_logprobs is None for s in samples):
             raise ValueError("train.old_logprobs=rollout needs log-probs from the rollout engine")
@@ -412,7 +441,7 @@ class GSPOTrainer:
         if stats is not None:
             stats.clear()
         if not from_rollout:
-            metrics.update(self.compute_old_logprobs(plans))
+            metrics.update(self.compute_old_logprobs(plans, version))
         if self.policy.reference is not None:
             self.compute_reference_logprobs(plans)
         if self.correction.mode != "none":
@@ -433,9 +462,18 @@ class GSPOTrainer:
                 "train.off_policy_correction's band or check the rollout engine's log-probs"
             )
         metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
+        if from_rollout and "rollout_kl_k3" in metrics and _all_of(samples, version):
+            # The first mini-batch's forward measured every token, each sampled by these weights.
+            first = plans[0].samples
+            tokens = sum(sum(s.response_mask or [1] * len(s.response_ids)) for s in first)
+            metrics.update(sampler_kl_metrics(metrics["rollout_kl_k3"] * tokens, tokens))
         metrics["seq_log_ratio_abs_max"] = max(per_mini["seq_log_ratio_abs_max"])
         if stats is not None:
             metrics.update(
                 router_metrics(stats, sequence_parallel=self.recipe.parallel.sequence_parallel)
             )
         return metrics
+
+
+def _all_of(samples: list[Sample], version: int | None) -> bool:
+    return version is not None and all(s.policy_version == version for s in samples)

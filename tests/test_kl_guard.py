@@ -2,7 +2,8 @@
 
 The guard alone (fed metrics step by step), the recipe keys, and the real loop through the CLI
 with a generation worker that samples from perturbed weights (``tests.perturbed_sampler``): it
-stops with one line and exit 1; a one-off spike and healthy steps do not stop it.
+stops with one line and exit 1, on-policy and one step off-policy (where the probe after each
+sync sees it); a one-off spike, healthy steps and a policy that changes fast do not stop it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from megatron_gspo.config import Recipe, RolloutConfig
-from megatron_gspo.rollout.kl_guard import RolloutKLGuard, RolloutMismatchError
+from megatron_gspo.rollout.kl_guard import METRIC, RolloutKLGuard, RolloutMismatchError
 from tests.test_train_loop import ROOT, _metrics, loop_recipe
 
 
@@ -29,7 +30,7 @@ def _feed(guard: RolloutKLGuard, values) -> int | None:
     """The step at which the guard stops (None: it never does)."""
     for step, value in enumerate(values, 1):
         try:
-            guard.check(step, {} if value is None else {"rollout_kl_k3": value})
+            guard.check(step, {} if value is None else {METRIC: value})
         except RolloutMismatchError:
             return step
     return None
@@ -43,22 +44,29 @@ def test_the_error_names_the_figure_the_engine_the_model_and_the_causes():
     guard = _guard(steps=2, staleness=1)
     with pytest.raises(RolloutMismatchError) as e:
         for step in (7, 8):
-            guard.check(step, {"rollout_kl_k3": 0.25})
+            guard.check(step, {METRIC: 0.25, "rollout_kl_k3": 0.5})
     message = str(e.value)
     for needle in (
-        "rollout_kl_k3",
+        "rollout_sampler_kl",
         "rollout.max_rollout_kl = 0.05",
         "step 7: 0.25, step 8: 0.25",
+        "same weights",
         "vllm engine",
         "deepseek_v3",
+        "rollout_kl_k3, sampled against trained tokens, was 0.5",
         "dtype",
         "kernel",
         "sync",
-        "disagree",
-        "max_staleness 1",
     ):
         assert needle in message, f"{needle!r} not in: {message}"
     assert "\n" not in message
+
+
+def test_the_drift_alone_never_stops_a_run():
+    """rollout_kl_k3 holds the policy's own change under max_staleness; not watched."""
+    guard = _guard()
+    for step in range(1, 10):
+        guard.check(step, {"rollout_kl_k3": 0.5, METRIC: 1e-9})
 
 
 def test_one_off_spikes_and_the_figure_at_the_limit_do_not_stop_a_run():
@@ -137,3 +145,41 @@ def test_a_spike_and_healthy_steps_do_not_stop_the_run(tmp_path):
     assert kl[1] > limit, f"the perturbed step was not above the limit: {kl}"
     healthy = kl[:1] + kl[2:]
     assert max(healthy) < limit / 100, f"healthy steps near the limit: {kl}"
+
+
+@pytest.mark.slow
+def test_an_off_policy_run_with_a_perturbed_sampler_is_stopped_by_the_probe(tmp_path):
+    """One step off-policy every batch is sampled by weights the trainer no longer holds, so
+    the batch's own tokens cannot tell the sampler's error from the policy's change; the probe
+    after each sync scores the same tokens with the same weights on both sides and can."""
+    proc = _run(tmp_path, perturb="all", steps=5, max_staleness=1, max_rollout_kl_steps=2)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rollout_sampler_kl stayed above" in proc.stderr, proc.stderr[-3000:]
+    records = _metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2], records
+    assert all(r["rollout_sampler_kl"] > RolloutConfig().max_rollout_kl for r in records)
+
+
+@pytest.mark.slow
+def test_an_honest_off_policy_sampler_measures_no_error_beside_the_drift(tmp_path):
+    """A healthy sampler one step stale: the probe's figure is fp32 round-off while
+    rollout_kl_k3 holds the policy's change per update (a large learning rate makes it
+    large), and the run goes on."""
+    data = loop_recipe(
+        tmp_path / "run",
+        rollout={"max_staleness": 1},
+        optimizer={"lr": 0.01},
+        run={"plot_every": 0, "tensorboard": False},
+    )
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-m", "megatron_gspo", "train", str(recipe), "--steps", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _metrics(tmp_path / "run")
+    probe = RolloutConfig().sampler_probe
+    for r in records[1:]:
+        assert r["rollout_sampler_kl"] < 1e-6, r
+        assert r["rollout_sampler_kl_tokens"] >= probe, r
+    drift = max(r["rollout_kl_k3"] for r in records[1:])
+    assert drift > 100 * max(r["rollout_sampler_kl"] for r in records[1:]), records

@@ -43,7 +43,11 @@ def _generate(rank, world, parallel: ParallelConfig, request: RolloutRequest):
                     :, 0
                 ]
                 forced.append(lp[len(prompt) - 1 :])
-    return cached, uncached, forced
+    # The engine's own teacher-forced scoring of the same sequences, batched (padded).
+    pairs = zip(request.prompts, cached.completions, strict=True)
+    sequences = [p + c.token_ids for p, g in pairs for c in g]
+    scored = LocalEngine(model).score(sequences)
+    return cached, uncached, forced, scored
 
 
 def test_cached_decoding_equals_uncached_and_logprobs_are_the_policys():
@@ -53,7 +57,7 @@ def test_cached_decoding_equals_uncached_and_logprobs_are_the_policys():
             group_size=3, temperature=1.0, max_new_tokens=8, stop_token_ids=(0,), seed=3
         ),
     )
-    cached, uncached, forced = run_distributed(_generate, 1, ParallelConfig(), request)[0]
+    cached, uncached, forced, scored = run_distributed(_generate, 1, ParallelConfig(), request)[0]
     flat = [c for g in cached.completions for c in g]
     assert [len(g) for g in cached.completions] == [3, 3, 3]
     for c, u in zip(flat, [c for g in uncached.completions for c in g], strict=True):
@@ -63,3 +67,9 @@ def test_cached_decoding_equals_uncached_and_logprobs_are_the_policys():
         assert len(c.token_ids) == len(c.logprobs) == len(lp)
         assert c.finish_reason == ("stop" if c.token_ids[-1] == 0 else "length")
         assert torch.allclose(torch.tensor(c.logprobs), lp, atol=1e-5), (c.logprobs, lp)
+    # score(): every token after the first of each whole sequence, its response part the
+    # same log-probs (what the sampler-mismatch probe compares with the trainer's).
+    prompts = [p for p in request.prompts for _ in range(3)]
+    for c, lp, p, row in zip(flat, forced, prompts, scored, strict=True):
+        assert len(row) == len(p) + len(c.token_ids) - 1
+        assert torch.allclose(torch.tensor(row[len(p) - 1 :]), lp, atol=1e-5), (row, lp)

@@ -51,8 +51,8 @@ LOGPROB_ATOL = 1e-4
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [20]]
 
 
-def _start(model_dir: Path, log: Path, request) -> VLLMServer:
-    srv = VLLMServer(model_dir, log)
+def _start(model_dir: Path, log: Path, request, **server) -> VLLMServer:
+    srv = VLLMServer(model_dir, log, **server)
     start = time.monotonic()
     try:
         wait_until_healthy([srv.url], timeout_s=SERVER_START_TIMEOUT_S, interval_s=1.0)
@@ -373,6 +373,12 @@ def test_the_training_loop_samples_from_vllm_one_step_off_policy(moe_server, moe
     assert records[0]["rollout_logprob_abs_diff"] < LOGPROB_ATOL, "the first batch is on-policy"
     assert records[-1]["rollout_kl_k3"] > 0
     assert held == 3, f"the server holds version {held} after 3 steps"
+    # The probe after each sync: the server and the trainer score the same tokens with the
+    # same weights, and agree to fp32 round-off, while the stale batches' tokens do not.
+    for r in records:
+        assert r["rollout_sampler_kl"] < LOGPROB_ATOL**2, r
+        assert r["rollout_sampler_kl_tokens"] > 0, r
+    assert records[-1]["rollout_kl_k3"] > 100 * records[-1]["rollout_sampler_kl"], records
 
 
 def _mismatched_trainer(rank, world, cfg, url, key):

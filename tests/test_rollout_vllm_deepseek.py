@@ -13,6 +13,9 @@ serves models (worker extension, job key). One server for the module.
 - After each of two weight syncs (collective at 1 rank and EP2, disk; the expert bias goes in
   fp32), the server's greedy samples and prompt log-probs equal the Megatron trainer's own,
   and its norms and expert bias equal the trainer's byte for byte.
+- Served without that correction, the training loop stops within
+  ``rollout.max_rollout_kl_steps`` steps (``rollout.max_rollout_kl``), on-policy and one step
+  off-policy alike.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 from megatron_gspo.rollout import RolloutRequest, SamplingParams
+from tests._dist import run_distributed
 from tests.test_rollout_vllm import (
     LOGPROB_ATOL,
     PROMPTS,
@@ -33,6 +37,7 @@ from tests.test_rollout_vllm import (
     _prompt_logprobs,
     _start,
     _stop,
+    _train_with_vllm,
     moe_sync_layouts,
     requires_vllm,
 )
@@ -86,3 +91,42 @@ def test_after_each_sync_the_deepseek_server_computes_what_the_trainer_does(
     _check_sync(
         deepseek_server, deepseek_dir, tmp_path, VLLM_TINY_DEEPSEEK, world, parallel, weight_sync
     )
+
+
+@pytest.fixture(scope="module")
+def unfixed_server(deepseek_dir, tmp_path_factory, request):
+    log = tmp_path_factory.mktemp("vllm-ds-unfixed") / "server.log"
+    srv = _start(deepseek_dir, log, request, extension="tests.unfixed_mla.UnfixedExtension")
+    yield srv
+    _stop(srv, request)
+
+
+@requires_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_deepseek_served_without_the_rotary_correction_is_stopped(
+    unfixed_server, tmp_path, staleness
+):
+    """The sampler-mismatch guard at its defaults: on-policy the batch's own tokens show the
+    served model's error, one step off-policy the probe after each sync does."""
+    from megatron_gspo.config import RolloutConfig
+    from tests.test_train_loop import _metrics, loop_recipe
+
+    data = loop_recipe(
+        tmp_path / "run",
+        model=VLLM_TINY_DEEPSEEK.model_dump(),
+        rollout={
+            "engine": "vllm",
+            "max_staleness": staleness,
+            "vllm": {"urls": [unfixed_server.url], "bucket_mb": 0.1, "sync_timeout_s": 120},
+        },
+        run={"plot_every": 0, "tensorboard": False},
+    )
+    defaults = RolloutConfig()
+    with pytest.raises(RuntimeError, match="rollout_sampler_kl stayed above"):
+        run_distributed(_train_with_vllm, 1, data, 10, unfixed_server.key)
+    records = _metrics(tmp_path / "run")
+    figures = [r["rollout_sampler_kl"] for r in records]
+    print(f"max_staleness {staleness}: rollout_sampler_kl by step {figures}")
+    assert len(records) == defaults.max_rollout_kl_steps, figures
+    assert all(f > defaults.max_rollout_kl for f in figures), figures

@@ -265,7 +265,7 @@ def test_rollout_old_logprobs_still_measure_the_train_inference_mismatch():
     assert mr["rollout_logprob_abs_diff"] > 0.5, "the fixture's rollout log-probs are off-policy"
 
 
-def _old_logprob_pass(rank: int, world: int, recipe: Recipe, samples):
+def _old_logprob_pass(rank: int, world: int, recipe: Recipe, samples, version=None):
     """The mismatch metrics of the old-log-prob pass, and each sample's response log-probs
     from a plain full-vocabulary ``log_softmax`` of the same policy."""
     from megatron_gspo.parallel import init_parallel
@@ -274,7 +274,7 @@ def _old_logprob_pass(rank: int, world: int, recipe: Recipe, samples):
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     trainer = GSPOTrainer(policy)
-    metrics = trainer.compute_old_logprobs(trainer.plan(samples))
+    metrics = trainer.compute_old_logprobs(trainer.plan(samples), version)
     policy.train(False)
     reference = []
     with torch.no_grad():
@@ -310,6 +310,129 @@ def test_rollout_mismatch_metrics_follow_their_formulas():
         assert abs(metrics[key] - value) <= 1e-5 * value, (
             f"{key} = {metrics[key]:.6g}, expected {value:.6g} from its formula"
         )
+
+
+def _k3(samples, reference) -> torch.Tensor:
+    """Per response token, k3 of the samples' rollout log-probs against the reference's."""
+    d = torch.cat(
+        [
+            ref.double() - torch.tensor(s.rollout_logprobs).double()
+            for s, ref in zip(samples, reference, strict=True)
+        ]
+    )
+    return d.exp() - 1 - d
+
+
+def _two_versions(seed: int):
+    """The fixture's samples, every other one sampled by version 5 (the policy's), the rest
+    by version 4 (one update stale)."""
+    import dataclasses
+
+    samples = rollout_batch(seed=seed)
+    return [dataclasses.replace(s, policy_version=5 - i % 2) for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_the_sampler_kl_counts_only_tokens_the_scoring_weights_sampled(packing):
+    """``rollout_sampler_kl`` is ``rollout_kl_k3``'s mean taken over the tokens whose version
+    is the policy's: a stale sample's log-probs hold the policy's own change, not the
+    engine's error. Its token count says how many tokens it covers."""
+    samples = _two_versions(seed=11)
+    recipe = _one_minibatch(packing=packing)
+    metrics, reference = run_distributed(_old_logprob_pass, 1, recipe, samples, 5)[0]
+    k3 = _k3(samples, reference)
+    on = torch.cat(
+        [torch.full((len(s.response_ids),), s.policy_version == 5) for s in samples]
+    ).double()
+    expected = float((k3 * on).sum() / on.sum())
+    assert metrics["rollout_sampler_kl_tokens"] == float(on.sum())
+    assert abs(metrics["rollout_sampler_kl"] - expected) <= 1e-5 * expected, (
+        f"rollout_sampler_kl = {metrics['rollout_sampler_kl']:.6g}, expected {expected:.6g} "
+        "over the on-policy tokens alone"
+    )
+    assert abs(metrics["rollout_kl_k3"] - float(k3.mean())) <= 1e-5 * float(k3.mean())
+    assert abs(expected - float(k3.mean())) > 1e-3 * expected, "the fixture cannot tell them"
+
+
+def _old_logprob_metrics(rank: int, world: int, recipe: Recipe, samples, version, weights=None):
+    """The old-log-prob pass's metrics, and the full weights it ran with."""
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.weights import gather_full_state_dict
+
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    if weights is not None:
+        policy.load_full_state_dict(weights)
+    trainer = GSPOTrainer(policy)
+    metrics = trainer.compute_old_logprobs(trainer.plan(samples), version)
+    return metrics, gather_full_state_dict(policy.model)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param({"context_parallel_size": 2}, id="cp2"),
+        pytest.param({"expert_model_parallel_size": 2}, id="ep2-dp2"),
+    ],
+)
+def test_the_sampler_kl_of_a_parallel_layout_equals_one_ranks(parallel):
+    """Each token's version travels with it through the context-parallel split and the
+    data-parallel balancing."""
+    samples = _two_versions(seed=11)
+    one, weights = run_distributed(_old_logprob_metrics, 1, _one_minibatch(), samples, 5)[0]
+    recipe = tiny_recipe(optimizer=LINEAR_ADAM, parallel=parallel, train={"mini_batches": 1})
+    two, _ = run_distributed(_old_logprob_metrics, 2, recipe, samples, 5, weights)[0]
+    assert two["rollout_sampler_kl_tokens"] == one["rollout_sampler_kl_tokens"]
+    rel = abs(two["rollout_sampler_kl"] - one["rollout_sampler_kl"]) / one["rollout_sampler_kl"]
+    assert rel <= 1e-5, f"{two['rollout_sampler_kl']} != one rank's {one['rollout_sampler_kl']}"
+
+
+def test_no_sampler_kl_without_on_policy_tokens():
+    samples = _two_versions(seed=11)
+    metrics, _ = run_distributed(_old_logprob_pass, 1, _one_minibatch(), samples, 7)[0]
+    assert "rollout_sampler_kl" not in metrics and metrics["rollout_kl_k3"] > 0
+
+
+def _sampler_probe(rank: int, world: int, recipe: Recipe, samples):
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.policy import Policy
+    from megatron_gspo.train_step import GSPOTrainer
+
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    return GSPOTrainer(policy).sampler_kl(samples)
+
+
+def test_the_probe_scores_the_engines_log_probs_against_the_policys_own():
+    """After a sync the trainer scores the probe's tokens with the weights the engine just
+    received: with the engine's log-probs exact the figure is 0, off by d it is k3(d) on
+    every scored token (environment tokens of an episode left out), whatever the recipe's
+    mini-batch count."""
+    import dataclasses
+
+    samples = rollout_batch(seed=9)
+    recipe = tiny_recipe(train={"mini_batches": 4})
+    _, reference = run_distributed(_old_logprob_pass, 1, _one_minibatch(), samples)[0]
+    exact = [
+        dataclasses.replace(s, rollout_logprobs=ref.tolist())
+        for s, ref in zip(samples, reference, strict=True)
+    ]
+    off = [
+        dataclasses.replace(s, rollout_logprobs=(ref - 0.3).tolist())
+        for s, ref in zip(samples, reference, strict=True)
+    ]
+    # One episode's second half is an environment's turn: never scored.
+    n = len(off[0].response_ids)
+    off[0] = dataclasses.replace(off[0], response_mask=[1] * (n // 2) + [0] * (n - n // 2))
+    got_exact = run_distributed(_sampler_probe, 1, recipe, exact)[0]
+    got_off = run_distributed(_sampler_probe, 1, recipe, off)[0]
+    tokens = sum(len(s.response_ids) for s in samples) - (n - n // 2)
+    assert got_exact["rollout_sampler_kl"] <= 1e-9, got_exact
+    expected = float(torch.tensor(0.3).exp() - 1 - 0.3)
+    assert got_off["rollout_sampler_kl_tokens"] == tokens
+    assert abs(got_off["rollout_sampler_kl"] - expected) <= 1e-4 * expected, (
+        f"{got_off['rollout_sampler_kl']:.6g} != k3(0.3) = {expected:.6g}"
+    )
 
 
 def test_masked_is_trains_exactly_the_sequences_it_keeps():

@@ -157,9 +157,21 @@ class VLLMServer:
     worker extension, job-key middleware, dev mode), on 127.0.0.1, its output in a log file."""
 
     def __init__(
-        self, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_model_len: int = 128
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 128,
+        extension: str | None = None,
     ) -> None:
-        from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+        """``extension``: another worker extension class than the project's (a test's)."""
+        from megatron_gspo.rollout.vllm.server import (
+            EXTENSION,
+            new_job_key,
+            server_command,
+            server_env,
+        )
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -173,6 +185,8 @@ class VLLMServer:
         extra += ["--max-num-seqs", "64", "--seed", "0"]
         extra += ["--max-num-batched-tokens", str(64 * max_model_len)]
         cmd = server_command(str(model_dir), host="127.0.0.1", port=self.port, extra_args=extra)
+        if extension is not None:
+            cmd[cmd.index(EXTENSION)] = extension
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True

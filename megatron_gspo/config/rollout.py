@@ -119,13 +119,16 @@ class RolloutConfig(_Section):
     # Episodes with environment turns; None: one model turn per prompt.
     multi_turn: MultiTurnConfig | None = None
     vllm: VLLMConfig = VLLMConfig()
-    # Stop the run (an error naming the figure) when rollout_kl_k3, the sampler's log-probs
-    # against the trainer's old policy (mean k3 per token), stays above max_rollout_kl for
-    # max_rollout_kl_steps consecutive steps: the engine samples another distribution than the
-    # trainer scores. null: never. README ("A sampler that disagrees") says how the default
-    # was chosen.
+    # Stop the run (an error naming the figure) when rollout_sampler_kl, the engine's
+    # log-probs against the trainer's on the same weights and tokens (mean k3 per token),
+    # stays above max_rollout_kl for max_rollout_kl_steps consecutive steps: the engine
+    # computes another model than the trainer. null: never. docs/operations.md ("A sampler
+    # that disagrees") says how the default was chosen.
     max_rollout_kl: float | None = 0.05
     max_rollout_kl_steps: int = 3
+    # max_staleness >= 1: after each weight sync the engine and the trainer both score this
+    # many of the step's sequences with the new weights (rollout_sampler_kl); 0: no probe.
+    sampler_probe: int = 8
 
     @model_validator(mode="after")
     def _check_staleness(self) -> RolloutConfig:
@@ -135,6 +138,8 @@ class RolloutConfig(_Section):
             raise ValueError(
                 f"rollout.max_rollout_kl must be > 0 (or null: no limit), got {self.max_rollout_kl}"
             )
+        if self.sampler_probe < 0:
+            raise ValueError(f"rollout.sampler_probe must be >= 0, got {self.sampler_probe}")
         if self.max_rollout_kl_steps < 1:
             raise ValueError(
                 f"rollout.max_rollout_kl_steps must be >= 1, got {self.max_rollout_kl_steps}"

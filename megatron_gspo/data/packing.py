@@ -113,6 +113,9 @@ class MicroBatch:
     routes: torch.Tensor | None = None
     # Context-parallel ranks the token tensors are split over (1: the full sequences).
     cp_size: int = 1
+    # [b, s] int64 aligned with targets: the weights version that sampled each scored token
+    # (-1 where unknown or not scored); tells on-policy tokens from stale ones.
+    versions: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -210,8 +213,9 @@ def plan_microbatches(
     return [p + [[]] * (n - len(p)) for p in plans]
 
 
-def _sequence_arrays(s: Sample) -> tuple[list[int], list[int], list[float], list[float], list]:
-    """Inputs, targets, loss mask, old log-probs and per-token advantages of one sequence."""
+def _sequence_arrays(s: Sample) -> tuple[list, ...]:
+    """Inputs, targets, loss mask, old log-probs, per-token advantages and the weights version
+    of each target token (-1: unknown, or not the model's) of one sequence."""
     ids = s.prompt_ids + s.response_ids
     p, n = len(s.prompt_ids), len(s.response_ids)
     inputs, targets = ids[:-1], ids[1:]
@@ -220,7 +224,9 @@ def _sequence_arrays(s: Sample) -> tuple[list[int], list[int], list[float], list
     old = [0.0] * (p - 1) + list(s.rollout_logprobs or [0.0] * n)
     token_adv = s.token_advantages if s.token_advantages is not None else [s.advantage] * n
     adv = [0.0] * (p - 1) + [a if m else 0.0 for a, m in zip(token_adv, response, strict=True)]
-    return inputs, targets, mask, old, adv
+    v = -1 if s.policy_version is None else s.policy_version
+    versions = [-1] * (p - 1) + [v if m else -1 for m in response]
+    return inputs, targets, mask, old, adv, versions
 
 
 def _causal(seq: int) -> torch.Tensor:
@@ -323,6 +329,7 @@ def build_microbatch(
             advantages=advantages,
             old_logprobs=row([a[3] for a in arrays], 0.0),
             token_advantages=row([a[4] for a in arrays], 0.0) if per_token else None,
+            versions=row([a[5] for a in arrays], -1),
             cu_seqlens=cu_padded[: len(lens) + 1],
             sample_indices=list(indices),
             padding_mask=padding[None],
@@ -333,7 +340,7 @@ def build_microbatch(
     # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
     # contribute nothing.
     empty = max(0, (rows or 1) - len(arrays))
-    arrays += [([], [], [], [], [])] * empty
+    arrays += [([], [], [], [], [], [])] * empty
     advantages = torch.cat([advantages, torch.zeros(empty)])
 
     def pad(parts: list[list], value) -> torch.Tensor:
@@ -351,6 +358,7 @@ def build_microbatch(
         advantages=advantages,
         old_logprobs=pad([a[3] for a in arrays], 0.0),
         token_advantages=pad([a[4] for a in arrays], 0.0) if per_token else None,
+        versions=pad([a[5] for a in arrays], -1),
         cu_seqlens=None,
         sample_indices=list(indices),
         padding_mask=torch.arange(width)[None] >= torch.tensor([[len(a[0])] for a in arrays]),

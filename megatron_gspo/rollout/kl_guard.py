@@ -1,18 +1,26 @@
 """Stop a run whose sampler disagrees with its trainer: ``rollout.max_rollout_kl``.
 
-``rollout_kl_k3`` is the mean k3 estimate, per response token, of KL(sampler || old policy): the
-rollout engine's log-probs of its own samples against the trainer's recomputed ones
-(:meth:`~megatron_gspo.train_step.GSPOTrainer.compute_old_logprobs`). A sampler that computes
-the model as the trainer does keeps it near the numerical noise of its dtype; one that computes
-another model (a kernel that misreads a layout, a sync that did not arrive, a config the engine
-reads otherwise) samples from a distribution no off-policy correction is meant to absorb, and
-the run would go on learning from it.
+The figure it watches is ``rollout_sampler_kl``: the mean k3 estimate, per token, of
+KL(engine || trainer) on the *same weights* and the same tokens, so that it holds what the
+engine computes otherwise and nothing of the policy's own change. Its tokens are those of the
+step's batch that the weights the trainer holds sampled (every token of an on-policy run), and,
+with ``rollout.max_staleness >= 1``, a probe right after each weight sync: the engine scores
+``rollout.sampler_probe`` of the step's sequences with the weights it just received and the
+trainer scores them with the same weights (:meth:`~megatron_gspo.train_step.GSPOTrainer.
+sampler_kl`). A sampler that computes the model as the trainer does keeps it near the numerical
+noise of its dtype; one that computes another model (a kernel that misreads a layout, a sync
+that did not arrive, a config the engine reads otherwise) samples from a distribution no
+off-policy correction is meant to absorb.
 
-:class:`RolloutKLGuard` watches the figure step by step and raises :class:`RolloutMismatchError`
-once it has stayed above the limit for ``max_rollout_kl_steps`` consecutive steps, so one
-unlucky batch does not stop a run. A step without the figure (no update) leaves the count as
-it was. Pure: fed the step's metrics, which every rank holds alike (the figure is summed over
-the world), so every rank stops at the same step.
+``rollout_kl_k3`` (every token's behaviour log-prob against the recomputed old policy) is not
+watched: with ``max_staleness`` K it also holds up to K updates of the policy's change, which
+grows as a policy learns.
+
+:class:`RolloutKLGuard` raises :class:`RolloutMismatchError` once the figure has stayed above
+the limit for ``max_rollout_kl_steps`` consecutive steps, so one unlucky batch does not stop a
+run. A step without the figure (no update, no probe) leaves the count as it was. Pure: fed the
+step's metrics, which every rank holds alike (the figure is summed over the world), so every
+rank stops at the same step.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["METRIC", "RolloutKLGuard", "RolloutMismatchError"]
 
-METRIC = "rollout_kl_k3"
+METRIC = "rollout_sampler_kl"
+# Reported beside it in the error, for context: the sampled-vs-trained mismatch, drift included.
+DRIFT = "rollout_kl_k3"
 
 
 class RolloutMismatchError(RuntimeError):
@@ -40,7 +50,7 @@ class RolloutKLGuard:
     engine: str
     family: str
     staleness: int = 0
-    _streak: list[tuple[int, float]] = field(default_factory=list)
+    _streak: list[tuple[int, float, float | None]] = field(default_factory=list)
 
     @classmethod
     def from_recipe(cls, recipe) -> RolloutKLGuard:
@@ -65,27 +75,26 @@ class RolloutKLGuard:
             return
         # NaN or inf (a token the sampler gave no probability) is a disagreement too.
         if not math.isfinite(value) or value > self.limit:
-            self._streak.append((step, float(value)))
+            self._streak.append((step, float(value), metrics.get(DRIFT)))
         else:
             self._streak.clear()
         if len(self._streak) >= self.steps:
             raise RolloutMismatchError(self._message())
 
     def _message(self) -> str:
-        seen = ", ".join(f"step {s}: {v:.3g}" for s, v in self._streak[-self.steps :])
-        stale = (
-            f" (with rollout.max_staleness {self.staleness} it also holds up to "
-            f"{self.staleness} update(s) of the policy's own change)"
-            if self.staleness
-            else ""
-        )
+        recent = self._streak[-self.steps :]
+        seen = ", ".join(f"step {s}: {v:.3g}" for s, v, _ in recent)
+        drift = [d for _, _, d in recent if d is not None]
+        context = ""
+        if drift:
+            context = f" ({DRIFT}, sampled against trained tokens, was {drift[-1]:.3g})"
         return (
             f"{METRIC} stayed above rollout.max_rollout_kl = {self.limit:g} for "
-            f"{len(self._streak)} consecutive steps ({seen}): the {self.engine} engine samples "
-            f"this {self.family} model from another distribution than the trainer scores"
-            f"{stale}. Likely causes: a dtype (the sampler in lower precision than the "
-            "trainer), a kernel of the engine that computes the model otherwise, a stale or "
-            "partial weight sync, or a model whose sampler and trainer disagree (a config the "
-            "engine reads differently). Compare the engine's log-probs with the trainer's on "
-            "the same tokens; rollout.max_rollout_kl: null turns this check off"
+            f"{len(self._streak)} consecutive steps ({seen}): on the same weights and tokens, "
+            f"the {self.engine} engine computes this {self.family} model otherwise than the "
+            f"trainer{context}. Likely causes: a dtype (the sampler in lower precision than "
+            "the trainer), a kernel of the engine that computes the model otherwise, a stale or "
+            "partial weight sync, or a config the engine reads differently. Compare the "
+            "engine's log-probs with the trainer's on the same tokens; rollout.max_rollout_kl: "
+            "null turns this check off"
         )

@@ -77,6 +77,34 @@ class LocalEngine:
         g = params.group_size
         return RolloutResult([out[i : i + g] for i in range(0, len(out), g)])
 
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of every token after the first of each sequence, under the
+        weights held now (the sampler's own numerics: what ``rollout_sampler_kl`` checks).
+        Collective like :meth:`generate`."""
+        out: list[list[float]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(sequences), self.max_batch_size):
+                out += self._score_batch(sequences[start : start + self.max_batch_size])
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _score_batch(self, sequences: list[list[int]]) -> list[list[float]]:
+        width = max(len(s) for s in sequences)
+        tokens = torch.zeros(len(sequences), width, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            tokens[i, : len(s)] = torch.tensor(s)
+        tokens = tokens.to(self.device)
+        positions = torch.arange(width, device=self.device)[None].expand_as(tokens)
+        # Right padding after each sequence: the causal mask keeps it out of every real token.
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), 1)
+        logits = self._forward(tokens, positions, causal[None, None], None)
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
     def _forward(self, tokens, positions, mask, ctx):
         """Full-vocabulary logits; Megatron's padded ids are cut off, so never sampled."""
         if ctx is None:

@@ -61,6 +61,8 @@ def _serve(
                 replies.put(("ok", None))
             elif kind == "generate":
                 replies.put(("ok", engine.generate(payload)))
+            elif kind == "score":
+                replies.put(("ok", engine.score(payload)))
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as e:  # noqa: BLE001 - sent back to the trainer
@@ -129,6 +131,17 @@ class LocalWorkerEngine:
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Collective: every rank receives rank 0's result."""
         box: list[Any] = [self.generate_rank0(request) if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def score_rank0(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs from the worker's snapshot; rank 0 only."""
+        return self._call(("score", sequences))
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Collective: every rank receives rank 0's log-probs."""
+        box: list[Any] = [self.score_rank0(sequences) if self.rank == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]

@@ -87,6 +87,12 @@ class RolloutEngine(Protocol):
         """Sample ``group_size`` responses to every prompt. Collective over all ranks."""
         ...
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of every token after the first of each sequence, under the
+        weights the engine holds (what it would give those tokens when sampling them).
+        Collective."""
+        ...
+
     def sync_weights(self, version: int) -> None:
         """Make the engine sample from the trainer's current weights, which are ``version``
         (the number of updates applied). Collective."""

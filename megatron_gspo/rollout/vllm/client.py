@@ -310,9 +310,13 @@ class VLLMClient:
     ) -> list[Completion]:
         """``group_size`` samples of one prompt from one server, in an event loop; connection
         errors and 5xx answers are retried with backoff, like :meth:`call`."""
+        body = self.completion_body(prompt, params, seed)
+        return self.completions(url, await self._post(http, url, "/v1/completions", body), params)
+
+    async def _post(self, http, url: str, path: str, body: dict[str, Any]) -> Any:
+        """One JSON request in an event loop, retried like :meth:`call`."""
         import httpx
 
-        path, body = "/v1/completions", self.completion_body(prompt, params, seed)
         last, server_error = "", False
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -330,7 +334,7 @@ class VLLMClient:
                 last, server_error = f"HTTP {reply.status_code}: {reply.text[:2000]}", True
                 continue
             _raise_for_refusal(url, path, reply.status_code, reply.text)
-            return self.completions(url, reply.json(), params)
+            return reply.json()
         error = VLLMServerError if server_error else VLLMUnavailableError
         raise error(
             f"vLLM server {url} unavailable ({path}, {self.max_retries + 1} attempts): {last}"
@@ -353,6 +357,41 @@ class VLLMClient:
                 ]
             )
         return RolloutResult(list(groups))
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's teacher-forced log-probs (every token after the first), from
+        ``prompt_logprobs``: vLLM's log-softmax of the raw logits, as for sampled tokens.
+        Sequences are spread round-robin over the servers, requested concurrently."""
+        if not sequences:
+            return []
+        return asyncio.run(self._score(sequences))
+
+    async def _score(self, sequences: list[list[int]]) -> list[list[float]]:
+        async with self.session() as http:
+            return list(
+                await asyncio.gather(
+                    *[self._score_one(http, self.server_for(i), s) for i, s in enumerate(sequences)]
+                )
+            )
+
+    async def _score_one(self, http, url: str, ids: list[int]) -> list[float]:
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        body["prompt_logprobs"] = 0
+        if self.model is not None:
+            body["model"] = self.model
+        answer = await self._post(http, url, "/v1/completions", body)
+        rows = answer["choices"][0].get("prompt_logprobs")
+        if not isinstance(rows, list) or len(rows) != len(ids):
+            raise VLLMRequestError(
+                f"vLLM server {url} returned no prompt_logprobs for a {len(ids)}-token prompt"
+            )
+        out = []
+        for row, t in zip(rows[1:], ids[1:], strict=True):
+            entry = (row or {}).get(str(t))
+            lp = None if entry is None else entry.get("logprob")
+            # vLLM writes None for a -inf log-prob.
+            out.append(float("-inf") if lp is None else float(lp))
+        return out
 
     def server_for(self, prompt_index: int) -> str:
         return self.urls[prompt_index % len(self.urls)]

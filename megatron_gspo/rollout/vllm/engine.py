@@ -144,6 +144,17 @@ class VLLMEngine:
         """Sample on the servers; collective: every rank receives the same result."""
         return self._on_rank0(lambda client: self.generate_rank0(request))
 
+    def score_rank0(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs of each sequence from the servers (spread over them, so
+        each server's weights are checked); rank 0 only."""
+        assert self.client is not None, "score_rank0 runs on global rank 0"
+        self.check_versions()
+        return self.client.score(sequences)
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Collective: every rank receives the servers' log-probs."""
+        return self._on_rank0(lambda client: self.score_rank0(sequences))
+
     def sync_weights(self, version: int) -> None:
         """Push the trainer's weights to every server as ``version``. Collective."""
         if self.model is None:
