@@ -7,7 +7,7 @@ import os
 
 def join_world(rank: int, world: int, port: int) -> None:
     """In a spawned rank: one thread, the environment torchrun would set, the gloo group."""
-    from megatron_gspo.procs import local_world_env
+    from megatron_gspo.runtime.procs import local_world_env
 
     os.environ.update(local_world_env(rank, world, port))
     import torch
@@ -22,7 +22,7 @@ def run_ranks(target, world: int, *args):
     object a rank puts on ``results``."""
     import torch.multiprocessing as mp
 
-    from megatron_gspo.procs import free_port
+    from megatron_gspo.runtime.procs import free_port
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()

@@ -53,11 +53,11 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     import torch.distributed as dist
 
     from benchmarks.train_step import skewed_samples
-    from megatron_gspo.checkpoint import Checkpointer
     from megatron_gspo.config import Recipe
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     base = Path(args.dir)
     recipe = Recipe.model_validate(recipe_data(args, base / "run"))

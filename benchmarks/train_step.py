@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def skewed_samples(n: int, vocab: int, seed: int = 0):
-    from megatron_gspo.data.packing import Sample
+    from megatron_gspo.trainer.packing import Sample
 
     rng = random.Random(seed)
     out = []
@@ -51,8 +51,8 @@ def main() -> None:
 
     from megatron_gspo.config import Recipe
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from megatron_gspo.weights import gather_full_state_dict
 
     base = yaml.safe_load((ROOT / "recipes" / "tiny-moe.yaml").read_text())

@@ -7,11 +7,12 @@ import warnings
 
 import click
 
-from megatron_gspo.errors import catch_sigterm, debug_enabled, one_line, user_errors
-from megatron_gspo.extras import MissingExtraError, check_recipe_extras
 from megatron_gspo.launch import launch
-from megatron_gspo.plan import plan
-from megatron_gspo.recipe import load_recipe
+from megatron_gspo.launch.plan import plan
+from megatron_gspo.run.recipe import load_recipe
+from megatron_gspo.run.signals import catch_sigterm
+from megatron_gspo.runtime.errors import debug_enabled, one_line, user_errors
+from megatron_gspo.runtime.extras import MissingExtraError, check_recipe_extras
 
 
 def report(error: BaseException) -> None:
@@ -72,9 +73,9 @@ def validate(recipe: str, no_extras_check: bool, output_dir: str | None) -> None
     Exit 1: the recipe is invalid. Exit 3: it is valid but cannot run on this machine (an extra
     or a reward module is not installed, an input file is missing, the run directory cannot be
     written: a GPU recipe checked on a laptop)."""
-    from megatron_gspo.checks import checkpoint_problem, find_problems
     from megatron_gspo.model import check_layout
-    from megatron_gspo.recipe import missing_inputs
+    from megatron_gspo.run.checks import checkpoint_problem, find_problems
+    from megatron_gspo.run.recipe import missing_inputs
 
     r = load_recipe(recipe)
     check_layout(r.model, r.parallel)
@@ -175,10 +176,10 @@ def train(
     _setup_logging()
     r = load_recipe(recipe)
     check_recipe_extras(r)
-    from megatron_gspo.errors import EXIT_PREEMPTED
     from megatron_gspo.parallel import destroy_parallel
-    from megatron_gspo.train import Preempted
-    from megatron_gspo.train import train as run_training
+    from megatron_gspo.run.loop import Preempted
+    from megatron_gspo.run.loop import train as run_training
+    from megatron_gspo.run.signals import EXIT_PREEMPTED
 
     try:
         run_dir = run_training(
@@ -203,7 +204,7 @@ def train(
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path.")
 def plot(run_dir: str, out: str | None) -> None:
     """Plot reward, clip fraction, KL, entropy, length and flip rate of RUN_DIR."""
-    from megatron_gspo.plot import plot_run
+    from megatron_gspo.run.plot import plot_run
 
     click.echo(plot_run(run_dir, out))
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_gspo.procs import free_port, local_world_env
+from megatron_gspo.runtime.procs import free_port, local_world_env
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
@@ -35,7 +35,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 # Ranks are forked from a server process that has imported these once, instead of each
 # spawned rank importing torch and Megatron-Core again (~3.5 s a rank, most of a test's time).
 # A fork copies no state but the imported modules: every rank starts as a fresh process would.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_gspo.policy"]
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_gspo.trainer.policy"]
 
 
 def _context():

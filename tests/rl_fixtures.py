@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import Sample
+from megatron_gspo.trainer.packing import Sample
 from tests.tiny import TINY_MOE
 
 

@@ -25,14 +25,14 @@ def _comparable(record: dict) -> dict:
 def _todays_loop(rank, world, data: dict, steps: int):
     """The on-policy loop written out by hand: sample, score, update, in that order."""
     from megatron_gspo.data.prompts import PromptStream
-    from megatron_gspo.data.rewards import RewardComputer
     from megatron_gspo.episodes.episode import single_turn
+    from megatron_gspo.episodes.rewards import RewardComputer
     from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
     from megatron_gspo.rollout import RolloutRequest, SamplingParams
     from megatron_gspo.rollout.local import LocalEngine
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from megatron_gspo.weights import gather_full_state_dict
 
     recipe = Recipe.model_validate(data)
@@ -79,7 +79,7 @@ def _slow_train(rank, world, data: dict, steps: int, delay_s: float):
     """The loop with a trainer that takes ``delay_s`` longer per step than it needs."""
     import time
 
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     step = GSPOTrainer.step
 

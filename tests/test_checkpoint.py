@@ -77,10 +77,10 @@ def test_resume_on_another_layout_continues_as_the_original_would(tmp_path, firs
 
 
 def _save_and_damage(rank, world, data: dict, how: str):
-    from megatron_gspo.checkpoint import Checkpointer, CheckpointError
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.run.checkpoint import Checkpointer, CheckpointError
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from tests.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)
@@ -113,10 +113,10 @@ def test_a_damaged_shard_is_named_not_loaded(tmp_path, how):
 
 
 def _save_nan(rank, world, data: dict):
-    from megatron_gspo.checkpoint import Checkpointer, CheckpointError
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.run.checkpoint import Checkpointer, CheckpointError
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from tests.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megatron_gspo.config import ParallelConfig, PrecisionConfig
-from megatron_gspo.recipe import RecipeError, load_recipe
+from megatron_gspo.run.recipe import RecipeError, load_recipe
 from tests.tiny import TINY_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,8 +93,8 @@ def test_recipe_needing_a_missing_extra_fails_naming_the_extra(
 
 
 def test_fp8_model_config_without_transformer_engine_names_the_extra():
-    from megatron_gspo.extras import MissingExtraError
     from megatron_gspo.model import transformer_config
+    from megatron_gspo.runtime.extras import MissingExtraError
 
     if _importable("transformer_engine"):
         pytest.skip("transformer_engine is installed here")

@@ -188,8 +188,8 @@ def test_round_trip_through_parallel_layout(hf_models, converted, layout: str, t
 
 def _policy_logits(rank: int, world: int, recipe_path: str, toks: torch.Tensor) -> torch.Tensor:
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.recipe import load_recipe
+    from megatron_gspo.run.recipe import load_recipe
+    from megatron_gspo.trainer.policy import Policy
 
     recipe = load_recipe(recipe_path)
     policy = Policy(recipe, init_parallel(recipe.parallel))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gspo.data.packing import Sample
-from megatron_gspo.dynamic_sampling import fill_with_signal, groups_without_signal
+from megatron_gspo.episodes.dynamic_sampling import fill_with_signal, groups_without_signal
+from megatron_gspo.trainer.packing import Sample
 from tests.test_async_rollouts import _comparable
 from tests.test_train_loop import loop_recipe, straight_and_resumed
 

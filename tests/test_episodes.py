@@ -275,7 +275,7 @@ def test_one_turn_credit_is_the_group_advantage():
 
 def _score(rank, world, recipe_data: dict, groups_json, prompt_list, reward_name=None):
     """Score given episodes on one rank (the Scorer broadcasts from rank 0)."""
-    from megatron_gspo.data.rewards import RewardComputer
+    from megatron_gspo.episodes.rewards import RewardComputer
     from megatron_gspo.episodes.scoring import Scorer
 
     recipe = Recipe.model_validate(recipe_data)

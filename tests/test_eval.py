@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.evaluation import pass_at_k
+from megatron_gspo.run.evaluation import pass_at_k
 from tests._dist import run_distributed
 from tests.test_async_rollouts import _comparable
 from tests.test_train_loop import _metrics, _train, loop_recipe

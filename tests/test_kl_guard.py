@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from megatron_gspo.config import Recipe, RolloutConfig
-from megatron_gspo.rollout.kl_guard import METRIC, RolloutKLGuard, RolloutMismatchError
+from megatron_gspo.run.kl_guard import METRIC, RolloutKLGuard, RolloutMismatchError
 from tests.test_train_loop import ROOT, _metrics, loop_recipe
 
 

@@ -62,7 +62,7 @@ def test_the_penalty_has_no_gradient_at_the_reference_and_pulls_back_once_moved(
 
 
 def test_plan_counts_the_reference_weights():
-    from megatron_gspo.plan import plan_memory
+    from megatron_gspo.launch.plan import plan_memory
 
     def rows(kl):
         recipe = tiny_recipe(loss={"kl_coef": kl})

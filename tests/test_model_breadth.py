@@ -61,9 +61,9 @@ def _toks() -> torch.Tensor:
 
 
 def _logits(rank, world, ckpt: str, layout: dict, toks: torch.Tensor) -> torch.Tensor:
-    from megatron_gspo.model.forward import full_vocab_logits, load_model
     from megatron_gspo.parallel import init_parallel
     from megatron_gspo.weights.convert import load_model_config
+    from megatron_gspo.weights.forward import full_vocab_logits, load_model
 
     parallel = ParallelConfig(**layout)
     init_parallel(parallel)
@@ -285,7 +285,7 @@ def test_padded_vocabulary_ids_take_no_probability_entropy_or_gradient(world):
 def _expert_counts(rank, world):
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.recipe import load_recipe
+    from megatron_gspo.run.recipe import load_recipe
 
     model_cfg = load_recipe(
         Path(__file__).resolve().parents[1] / "recipes/tiny-deepseek.yaml"
@@ -326,10 +326,10 @@ def _deepseek_loop(output_dir: Path) -> dict:
 
 
 def _expert_bias(rank, world, data: dict, step: int) -> dict:
-    from megatron_gspo.checkpoint import Checkpointer
     from megatron_gspo.config import Recipe
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.trainer.policy import Policy
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))

@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import build_microbatch
 from megatron_gspo.loss import gspo_loss, gspo_token_loss
 from megatron_gspo.loss.policy_loss import grpo_loss
+from megatron_gspo.trainer.packing import build_microbatch
 from tests._dist import run_distributed
 from tests.rl_fixtures import episode_batch, tiny_recipe
 from tests.test_async_rollouts import _comparable

@@ -26,12 +26,12 @@ RECIPE = ROOT / "recipes" / "tiny-multi-turn-vllm.yaml"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from megatron_gspo.recipe import load_recipe
     from megatron_gspo.rollout.vllm.local_server import (
         cpu_serving_args,
         served,
         write_served_model,
     )
+    from megatron_gspo.run.recipe import load_recipe
 
     work = tmp_path_factory.mktemp("multi-turn-vllm")
     cfg = load_recipe(RECIPE).model
@@ -58,9 +58,9 @@ def _tool_episodes(rank, world, data: dict, url: str, key: str):
     from megatron_gspo.episodes.sampling import EpisodeSampler
     from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
     from megatron_gspo.rollout.vllm import VLLMEngine
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from megatron_gspo.config import MemoryConfig
-from megatron_gspo.plan import (
+from megatron_gspo.launch.plan import (
     GIB,
     PlanError,
     activation_bytes_per_token_layer,
@@ -22,7 +22,7 @@ from megatron_gspo.plan import (
     plan,
     plan_memory,
 )
-from megatron_gspo.recipe import load_recipe
+from megatron_gspo.run.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 MOE = REPO / "recipes" / "qwen3-30b-a3b-gspo.yaml"

@@ -171,7 +171,7 @@ def test_the_all_reduce_measurement_runs_its_ranks_and_reports_a_bandwidth():
 def test_micro_batches_move_every_tensor_to_the_model_device():
     from dataclasses import fields
 
-    from megatron_gspo.data.packing import build_microbatch
+    from megatron_gspo.trainer.packing import build_microbatch
     from tests.rl_fixtures import rollout_batch
 
     samples = rollout_batch()

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.data.prompts import DataError, PromptStream
-from megatron_gspo.data.rewards import math_answer
+from megatron_gspo.episodes.rewards import math_answer
 from tests._dist import run_distributed
 from tests.qwen_style import make_gsm8k_parquet, make_tokenizer_dir
 from tests.test_train_loop import _metrics, _train, loop_recipe

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_gspo.config import DataConfig, RewardConfig
 from megatron_gspo.data.prompts import DataError, PromptStream
-from megatron_gspo.data.rewards import (
+from megatron_gspo.episodes.rewards import (
     RewardComputer,
     digit_match,
     exact_match,
@@ -264,7 +264,7 @@ MATH_CASES = [
 @pytest.mark.parametrize("path", ["math-verify", "built-in"])
 @pytest.mark.parametrize("response,answer,expected", MATH_CASES)
 def test_math_reward_on_real_looking_answers(monkeypatch, path, response, answer, expected):
-    from megatron_gspo.data import rewards
+    from megatron_gspo.episodes import rewards
 
     if path == "math-verify":
         pytest.importorskip("math_verify")

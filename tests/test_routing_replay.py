@@ -102,8 +102,8 @@ def _replay_and_count(rank, world, recipe: Recipe, samples, changes):
     applied in each forward, and the samples' routes."""
     from megatron_gspo.model.routes import RouteRecorder
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     recorder = RouteRecorder(policy.model)
@@ -179,8 +179,8 @@ def _applied_routes(rank, world, recipe: Recipe, samples):
     """One step; the routes every router applied, one [s, b, layers, k] array per forward."""
     from megatron_gspo.model.routes import RouteRecorder
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     recorder = RouteRecorder(policy.model)

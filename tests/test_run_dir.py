@@ -243,7 +243,7 @@ def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_not_stale(tmp_pat
 def test_a_filesystem_without_locks_is_warned_about(tmp_path, monkeypatch, caplog):
     import fcntl
 
-    from megatron_gspo import rundir
+    from megatron_gspo.run import rundir
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

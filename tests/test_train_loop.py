@@ -34,16 +34,16 @@ def loop_recipe(output_dir: Path, **sections) -> dict:
 
 
 def _train(rank, world, data: dict, steps: int, resume: bool):
-    from megatron_gspo.train import train
+    from megatron_gspo.run.loop import train
 
     recipe = Recipe.model_validate(data)
     train(recipe, output_dir=recipe.run.output_dir, resume=resume, steps=steps)
 
 
 def _weights(rank, world, data: dict, step: int):
-    from megatron_gspo.checkpoint import Checkpointer
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.trainer.policy import Policy
     from megatron_gspo.weights import gather_full_state_dict
 
     recipe = Recipe.model_validate(data)
@@ -305,11 +305,11 @@ def _draw_from_every_generator() -> None:
 
 
 def _save_rng(rank, world, data: dict):
-    from megatron_gspo.checkpoint import Checkpointer
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.rng import get_rng_state
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.run.rng import get_rng_state
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from tests.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)
@@ -325,10 +325,10 @@ def _save_rng(rank, world, data: dict):
 
 
 def _load_rng(rank, world, data: dict):
-    from megatron_gspo.checkpoint import Checkpointer
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.rng import get_rng_state
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.run.rng import get_rng_state
+    from megatron_gspo.trainer.policy import Policy
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))

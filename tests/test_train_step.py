@@ -20,8 +20,8 @@ LINEAR_ADAM = {"lr": 5e3, "adam_eps": 1e4, "clip_grad": 0.0}
 def _step(rank: int, world: int, recipe: Recipe, samples, steps: int = 1, weights=None):
     """Returns (per-step metrics, full weights before, full weights after)."""
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from megatron_gspo.weights import gather_full_state_dict
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
@@ -224,8 +224,8 @@ def _routed(rank, world, recipe: Recipe, samples):
     """One step; the metrics and the experts every forward routed through."""
     from megatron_gspo.model.routes import RouteRecorder
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     recorder = RouteRecorder(policy.model)
@@ -269,8 +269,8 @@ def _old_logprob_pass(rank: int, world: int, recipe: Recipe, samples, version=No
     """The mismatch metrics of the old-log-prob pass, and each sample's response log-probs
     from a plain full-vocabulary ``log_softmax`` of the same policy."""
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     trainer = GSPOTrainer(policy)
@@ -357,8 +357,8 @@ def test_the_sampler_kl_counts_only_tokens_the_scoring_weights_sampled(packing):
 def _old_logprob_metrics(rank: int, world: int, recipe: Recipe, samples, version, weights=None):
     """The old-log-prob pass's metrics, and the full weights it ran with."""
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
     from megatron_gspo.weights import gather_full_state_dict
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
@@ -396,8 +396,8 @@ def test_no_sampler_kl_without_on_policy_tokens():
 
 def _sampler_probe(rank: int, world: int, recipe: Recipe, samples):
     from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.policy import Policy
-    from megatron_gspo.train_step import GSPOTrainer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
 
     policy = Policy(recipe, init_parallel(recipe.parallel))
     return GSPOTrainer(policy).sampler_kl(samples)

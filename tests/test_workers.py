@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_gspo.workers import WorkerPool, WorkerPoolError
+from megatron_gspo.runtime.workers import WorkerPool, WorkerPoolError
 
 
 def _misbehaving_handler(tag: str):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.config import MLAConfig, ModelConfig
-from megatron_gspo.procs import free_port
+from megatron_gspo.runtime.procs import free_port
 from megatron_gspo.weights.hf import HFMapping
 
 # Tiny but not degenerate: 2 layers, GQA (4 query heads, 2 KV groups: TP=2 splits them),

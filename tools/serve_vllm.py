@@ -30,13 +30,13 @@ def main() -> int:
 
     import torch
 
-    from megatron_gspo.extras import require_extra
-    from megatron_gspo.recipe import load_recipe
     from megatron_gspo.rollout.vllm.local_server import (
         cpu_serving_args,
         served,
         write_served_model,
     )
+    from megatron_gspo.run.recipe import load_recipe
+    from megatron_gspo.runtime.extras import require_extra
 
     recipe = load_recipe(args.recipe)
     require_extra("vllm", "Serving the recipe's model from vLLM")

@@ -13,7 +13,7 @@ The protocol is two methods on an object built once per worker process
 Everything an episode carries lives in ``state``, which must be picklable: any worker can take
 an episode's next call, a worker killed at a deadline loses no other episode, and episodes in
 flight can be checkpointed. Environments are user code and run in worker processes with a
-deadline per call (``reward.timeout_s``, :mod:`megatron_gspo.workers`); a call that raises,
+deadline per call (``reward.timeout_s``, :mod:`megatron_gspo.runtime.workers`); a call that raises,
 hangs or returns something malformed ends its episode (counted in ``env_errors`` /
 ``env_timeouts``), never the run.
 
@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megatron_gspo.data.rewards import reward_value
-from megatron_gspo.user_code import check_kwargs, resolve
-from megatron_gspo.workers import WorkerPool
+from megatron_gspo.episodes.rewards import reward_value
+from megatron_gspo.runtime.user_code import check_kwargs, resolve
+from megatron_gspo.runtime.workers import WorkerPool
 
 __all__ = [
     "ENVIRONMENTS",
@@ -104,7 +104,7 @@ def _env_handler(name: str, kwargs: dict) -> Callable:
 
 class EnvironmentPool:
     """The recipe's environment in worker processes (global rank 0 only); each call's future
-    answers an :class:`~megatron_gspo.workers.Outcome`."""
+    answers an :class:`~megatron_gspo.runtime.workers.Outcome`."""
 
     def __init__(
         self, name: str, kwargs: dict, *, timeout_s: float, workers: int | None = None

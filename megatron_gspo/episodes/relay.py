@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_gspo.data.rewards import digit_match
 from megatron_gspo.episodes.environment import Step
+from megatron_gspo.episodes.rewards import digit_match
 
 __all__ = ["RelayDigits"]
 

@@ -35,7 +35,7 @@ from megatron_gspo.rollout.protocol import (
     RolloutResult,
     SamplingParams,
 )
-from megatron_gspo.workers import Outcome
+from megatron_gspo.runtime.workers import Outcome
 
 __all__ = [
     "EpisodeRunner",

@@ -22,12 +22,12 @@ from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.episodes.concurrent import ConcurrentRunner
 from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.episodes.render import TurnRenderer
 from megatron_gspo.episodes.runner import EpisodeRunner
-from megatron_gspo.rank0 import on_rank0
-from megatron_gspo.rollout.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.rollout.protocol import SamplingParams
 from megatron_gspo.rollout.vllm.engine import VLLMEngine
+from megatron_gspo.runtime.rank0 import on_rank0
 
 __all__ = ["EpisodeSampler"]
 

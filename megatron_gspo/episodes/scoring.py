@@ -24,13 +24,13 @@ from collections.abc import Callable
 import torch
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import Sample
 from megatron_gspo.data.prompts import Prompt
-from megatron_gspo.data.rewards import RewardComputer, RewardStats, overlong_penalty
 from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.rewards import RewardComputer, RewardStats, overlong_penalty
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.model.routes import check_routes
-from megatron_gspo.rank0 import on_rank0
+from megatron_gspo.runtime.rank0 import on_rank0
+from megatron_gspo.trainer.packing import Sample
 
 __all__ = ["ScoringError", "Scorer", "checked_routes", "final_rewards"]
 

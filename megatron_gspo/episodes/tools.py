@@ -20,7 +20,7 @@ import operator
 from collections.abc import Callable
 
 from megatron_gspo.episodes.sandbox import run_python
-from megatron_gspo.user_code import resolve
+from megatron_gspo.runtime.user_code import resolve
 
 __all__ = ["TOOLS", "ToolError", "calculator", "make_python_tool", "resolve_tool"]
 

@@ -103,8 +103,8 @@ def launch(
 
     Servers and trainer share the job's key from $MEGATRON_GSPO_VLLM_KEY (the sbatch recipes
     generate one per job); without it no server is started."""
-    from megatron_gspo.recipe import RecipeError, load_recipe
     from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+    from megatron_gspo.run.recipe import RecipeError, load_recipe
 
     env = dict(os.environ)
     try:
@@ -150,7 +150,7 @@ def launch(
             )
             processes = [(cmd, {**env, **a.env})]
         else:
-            from megatron_gspo.extras import MissingExtraError, require_extra
+            from megatron_gspo.runtime.extras import MissingExtraError, require_extra
 
             if not dry_run:
                 try:
@@ -199,7 +199,7 @@ def launch(
     started = time.time()
     rc = run_forwarding_term(processes, workers_only=a.role == "trainer")
     if a.role == "trainer" and rc != 0:
-        from megatron_gspo.errors import EXIT_PREEMPTED, PREEMPTED_MARKER
+        from megatron_gspo.run.signals import EXIT_PREEMPTED, PREEMPTED_MARKER
 
         marker = Path(output_dir or r.run.output_dir) / PREEMPTED_MARKER
         if marker.is_file() and marker.stat().st_mtime >= started - 1:

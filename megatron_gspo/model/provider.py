@@ -10,10 +10,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_gspo.config import MemoryConfig, ModelConfig, ParallelConfig, PrecisionConfig
-from megatron_gspo.extras import require_extra
 from megatron_gspo.model.aux_loss import guard_empty_microbatches
 from megatron_gspo.model.expert_bias import count_expert_tokens_without_padding
 from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
+from megatron_gspo.runtime.extras import require_extra
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -14,7 +14,7 @@ import time
 import psutil
 import torch
 
-from megatron_gspo.extras import recipe_needs
+from megatron_gspo.runtime.extras import recipe_needs
 
 GIB = 1024**3
 
@@ -155,7 +155,7 @@ def allreduce_bus_gbps(
 
     import torch.multiprocessing as mp
 
-    from megatron_gspo.procs import free_port
+    from megatron_gspo.runtime.procs import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from megatron_gspo.errors import one_line
+from megatron_gspo.runtime.errors import one_line
 
 # Parts the summary line reads, by name.
 STEP, FP8_STEP, LOGPROBS = "gspo step bf16", "gspo step fp8", "logprobs"

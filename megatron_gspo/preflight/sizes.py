@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_gspo.config import ModelConfig, Recipe
+from megatron_gspo.launch.plan import GIB, plan_memory
 from megatron_gspo.model.counts import active_parameters, count_parameters
-from megatron_gspo.plan import GIB, plan_memory
 
 # The released config.json of Qwen/Qwen3-30B-A3B (recipes/qwen3-30b-a3b-gspo.yaml).
 QWEN3_30B_A3B_LAYERS = 48

@@ -10,13 +10,13 @@ import random
 import torch
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import Sample
+from megatron_gspo.launch.plan import GIB
 from megatron_gspo.model.counts import active_parameters, count_parameters
-from megatron_gspo.plan import GIB
 from megatron_gspo.preflight.measure import median_time
 from megatron_gspo.preflight.sizes import Size, gspo_step_flops
 from megatron_gspo.rollout.local import LocalEngine
 from megatron_gspo.rollout.protocol import RolloutRequest, SamplingParams
+from megatron_gspo.trainer.packing import Sample
 
 
 def rollout_batch(size: Size, vocab: int, seed: int = 0) -> list[Sample]:
@@ -49,8 +49,8 @@ class SliceStep:
     """A policy of the slice on this rank, its trainer, and the step's figures."""
 
     def __init__(self, recipe: Recipe, groups) -> None:
-        from megatron_gspo.policy import Policy
-        from megatron_gspo.train_step import GSPOTrainer
+        from megatron_gspo.trainer.policy import Policy
+        from megatron_gspo.trainer.step import GSPOTrainer
 
         self.recipe = recipe
         self.policy = Policy(recipe, groups)

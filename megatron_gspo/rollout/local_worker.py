@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_gspo.config import ModelConfig, PrecisionConfig
-from megatron_gspo.procs import kill_at_exit
 from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
+from megatron_gspo.runtime.procs import kill_at_exit
 
 __all__ = ["LocalWorkerEngine"]
 
@@ -31,7 +31,7 @@ __all__ = ["LocalWorkerEngine"]
 def _serve(
     model_config: ModelConfig, precision: PrecisionConfig, requests, replies, parent_pid: int
 ) -> None:
-    from megatron_gspo.procs import die_with_parent, free_port, local_world_env
+    from megatron_gspo.runtime.procs import die_with_parent, free_port, local_world_env
 
     die_with_parent(parent_pid)
     # A world of one of its own, whatever the trainer's environment says.

@@ -306,7 +306,7 @@ def megatron_to_hf(
     if not (src / "metadata.json").is_file():
         raise ConversionError(f"{src}: not a Megatron distributed checkpoint (no metadata.json)")
     if (src / "manifest.json").is_file():  # a training checkpoint: check it before reading
-        from megatron_gspo.manifest import CheckpointError, verify_checkpoint
+        from megatron_gspo.weights.manifest import CheckpointError, verify_checkpoint
 
         try:
             verify_checkpoint(src)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.no_progress,
             )
     except Exception as e:  # noqa: BLE001 - the command line's boundary: one line, no traceback
-        from megatron_gspo.errors import debug_enabled
+        from megatron_gspo.runtime.errors import debug_enabled
 
         if debug_enabled():
             traceback.print_exception(e)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.config import ModelConfig
-from megatron_gspo.procs import free_port
+from megatron_gspo.runtime.procs import free_port
 
 
 def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path:

@@ -1,12 +1,12 @@
 """The GSPO loop: sample episodes, score them, update the policy, sync, checkpoint, report.
 
 Every rank runs :func:`train` (``torchrun`` or a single process); its parts come from
-:class:`megatron_gspo.session.Session`. One step:
+:class:`megatron_gspo.run.session.Session`. One step:
 
 1. the next prompts, and ``group_size`` episodes of each from the rollout engine (one model
    turn, or several with an environment's turns between them: :mod:`megatron_gspo.episodes`;
    with ``rollout.max_staleness`` K >= 1 sampled ahead by weights at most K updates old:
-   :mod:`megatron_gspo.rollout.pipeline`);
+   :mod:`megatron_gspo.episodes.pipeline`);
 2. rank 0 scores them (reward functions, the environment's turn rewards) and shares the
    scores; samples whose score failed are dropped or zeroed; advantages per episode or per
    turn (:mod:`megatron_gspo.episodes.scoring`);
@@ -25,18 +25,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.checks import refuse_problems
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import Sample
-from megatron_gspo.dynamic_sampling import groups_without_signal
-from megatron_gspo.errors import PREEMPTED_MARKER, catch_sigterm, sigterm_received
+from megatron_gspo.episodes.dynamic_sampling import groups_without_signal
+from megatron_gspo.episodes.pipeline import Batch
 from megatron_gspo.parallel import init_parallel
-from megatron_gspo.rank0 import on_rank0
-from megatron_gspo.rollout.kl_guard import RolloutKLGuard
-from megatron_gspo.rollout.pipeline import Batch
-from megatron_gspo.rundir import RunOptions, open_run
-from megatron_gspo.session import Session
-from megatron_gspo.step_metrics import merge_sampler_kl
+from megatron_gspo.run.checks import refuse_problems
+from megatron_gspo.run.kl_guard import RolloutKLGuard
+from megatron_gspo.run.rundir import RunOptions, open_run
+from megatron_gspo.run.session import Session
+from megatron_gspo.run.signals import PREEMPTED_MARKER, catch_sigterm, sigterm_received
+from megatron_gspo.runtime.rank0 import on_rank0
+from megatron_gspo.trainer.metrics import merge_sampler_kl
+from megatron_gspo.trainer.packing import Sample
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def train(
 ) -> Path:
     """Run the recipe to ``steps`` (default ``run.steps``); returns the run directory.
 
-    Where it starts, or why it refuses to, is :mod:`megatron_gspo.rundir`'s decision: resume
+    Where it starts, or why it refuses to, is :mod:`megatron_gspo.run.rundir`'s decision: resume
     from the directory's checkpoint (``resume_from_last_good``: the newest that verifies;
     ``trust_unverified``: one without a manifest), or, ``resume=False``, start afresh,
     refused where the directory holds a run unless ``overwrite`` (which deletes it first)."""
@@ -211,7 +211,7 @@ def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, 
 
 
 def _plot(run_dir: Path) -> None:
-    from megatron_gspo.plot import plot_run
+    from megatron_gspo.run.plot import plot_run
 
     try:
         plot_run(run_dir)

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.checkpoint import LATEST
-from megatron_gspo.errors import PREEMPTED_MARKER
-from megatron_gspo.manifest import CheckpointError, verify
-from megatron_gspo.metrics import METRICS_FILE, parse_metrics
-from megatron_gspo.rank0 import on_rank0
+from megatron_gspo.run.checkpoint import LATEST
+from megatron_gspo.run.metrics import METRICS_FILE, parse_metrics
+from megatron_gspo.run.signals import PREEMPTED_MARKER
+from megatron_gspo.runtime.rank0 import on_rank0
+from megatron_gspo.weights.manifest import CheckpointError, verify
 
 log = logging.getLogger(__name__)
 

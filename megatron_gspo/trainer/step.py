@@ -3,7 +3,7 @@
 Reads as the algorithm does; each phase is a method of :class:`GSPOTrainer`:
 
 1. ``plan``: split the rollout batch into mini-batches (one optimizer step each) and each
-   mini-batch into this rank's micro-batches (:mod:`megatron_gspo.step_plan`);
+   mini-batch into this rank's micro-batches (:mod:`megatron_gspo.trainer.minibatches`);
 2. ``compute_old_logprobs``: a forward-only pass of the pre-update policy over every
    mini-batch (which also records the routes for the flip rate and routing replay), unless the
    recipe trains on the rollout's own log-probs;
@@ -11,7 +11,7 @@ Reads as the algorithm does; each phase is a method of :class:`GSPOTrainer`:
 4. ``train_minibatch``: Megatron's schedule runs forward and backward, ``_loss`` (the loss
    closure) turns the last stage's vocab-parallel logits into fp32 log-probs and the policy
    loss; one optimizer step;
-5. metrics reduced over micro-batches and ranks (:mod:`megatron_gspo.step_metrics`).
+5. metrics reduced over micro-batches and ranks (:mod:`megatron_gspo.trainer.metrics`).
 
 Normalization: Megatron averages each micro-batch's loss over the ``M`` micro-batches and the
 ``D`` data(-and-context)-parallel ranks, and scales the router's aux loss the same way. The loss
@@ -31,17 +31,12 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import LossConfig
-from megatron_gspo.data.packing import (
-    MicroBatch,
-    Sample,
-)
 from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss, token_logprobs
 from megatron_gspo.loss.kl import reference_kl
 from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.model.routes import routes_for_routers
-from megatron_gspo.policy import Policy
-from megatron_gspo.step_metrics import (
+from megatron_gspo.trainer.metrics import (
     MISMATCH,
     correction_metrics,
     reduce_reports,
@@ -49,7 +44,12 @@ from megatron_gspo.step_metrics import (
     router_metrics,
     sampler_kl_metrics,
 )
-from megatron_gspo.step_plan import MiniBatchPlan, StepPlanner
+from megatron_gspo.trainer.minibatches import MiniBatchPlan, StepPlanner
+from megatron_gspo.trainer.packing import (
+    MicroBatch,
+    Sample,
+)
+from megatron_gspo.trainer.policy import Policy
 
 
 def _loss_kwargs(loss: LossConfig) -> dict:

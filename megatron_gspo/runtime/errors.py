@@ -9,13 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
-
-# The exit status of a run stopped by SIGTERM after saving a checkpoint (EX_TEMPFAIL): "resume
-# me". The sbatch recipes requeue on it; launch passes it on through torchrun, which would
-# report any non-zero rank as a failure, by looking for the marker the run leaves.
-EXIT_PREEMPTED = 75
-PREEMPTED_MARKER = ".preempted"
 
 
 def debug_enabled() -> bool:
@@ -26,12 +19,12 @@ def debug_enabled() -> bool:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from megatron_gspo.data.prompts import DataError
-    from megatron_gspo.extras import MissingExtraError
-    from megatron_gspo.manifest import CheckpointError
-    from megatron_gspo.recipe import RecipeError
-    from megatron_gspo.rollout.kl_guard import RolloutMismatchError
     from megatron_gspo.rollout.vllm.client import VLLMRequestError, VLLMUnavailableError
     from megatron_gspo.rollout.vllm.sync import WeightSyncError
+    from megatron_gspo.run.kl_guard import RolloutMismatchError
+    from megatron_gspo.run.recipe import RecipeError
+    from megatron_gspo.runtime.extras import MissingExtraError
+    from megatron_gspo.weights.manifest import CheckpointError
     from megatron_gspo.weights.safetensors_io import SafetensorsError
 
     return (
@@ -60,25 +53,3 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, pickle.UnpicklingError):
         return f"refused to unpickle: {text.splitlines()[0]}"
     return text
-
-
-# -- SIGTERM -----------------------------------------------------------------------------------
-
-_sigterm_received = False
-
-
-def _on_sigterm(signum, frame) -> None:
-    global _sigterm_received
-    _sigterm_received = True
-
-
-def catch_sigterm() -> None:
-    """From now on SIGTERM (Slurm pre-emption, ``scontrol requeue``, a time limit) only sets a
-    flag that the trainer reads: it finishes the step, saves and exits 75, or, before its
-    first step, exits 75 having written nothing. Installed first thing, so that a SIGTERM
-    during start-up (imports, process groups, loading) is not the end of the process."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def sigterm_received() -> bool:
-    return _sigterm_received

@@ -15,15 +15,15 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import (
+from megatron_gspo.parallel import ParallelGroups
+from megatron_gspo.parallel.context import split_microbatch
+from megatron_gspo.trainer.packing import (
     MicroBatch,
     Sample,
     build_microbatch,
     microbatch_width,
     plan_microbatches,
 )
-from megatron_gspo.parallel import ParallelGroups
-from megatron_gspo.parallel.context import split_microbatch
 
 __all__ = ["MiniBatchPlan", "StepPlanner"]
 

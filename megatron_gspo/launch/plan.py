@@ -381,7 +381,7 @@ def plan(
     """Check that RECIPE's layout divides NODES x GPUS and estimate memory per GPU.
 
     Exits 1 when the layout does not divide or the estimate exceeds the GPU's memory."""
-    from megatron_gspo.recipe import RecipeError, load_recipe
+    from megatron_gspo.run.recipe import RecipeError, load_recipe
 
     try:
         r = load_recipe(recipe)

@@ -12,7 +12,7 @@ submitted from any thread (the asynchronous rollouts, concurrent episodes) and a
 futures. A call's failure is an :class:`Outcome`, never an exception: what it means (a score of
 zero, a dropped group, an error observation) is for the caller to decide.
 
-Workers ignore SIGTERM and die with the trainer (:mod:`megatron_gspo.procs`): Slurm signals
+Workers ignore SIGTERM and die with the trainer (:mod:`megatron_gspo.runtime.procs`): Slurm signals
 every process of a job, and the trainer still needs its workers to finish the step and save.
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from megatron_gspo.procs import exiting, kill_at_exit
+from megatron_gspo.runtime.procs import exiting, kill_at_exit
 
 __all__ = ["Outcome", "WorkerPool", "WorkerPoolError"]
 
@@ -66,7 +66,7 @@ class Outcome:
 
 def _serve(setup: Callable[..., Callable], args: tuple, parent_pid: int, conn: Connection):
     """A worker: build the handler, then answer calls until killed."""
-    from megatron_gspo.procs import die_with_parent
+    from megatron_gspo.runtime.procs import die_with_parent
 
     die_with_parent(parent_pid)
     try:

@@ -79,7 +79,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if wandb_project:
-            from megatron_gspo.extras import require_extra
+            from megatron_gspo.runtime.extras import require_extra
 
             wandb = require_extra(
                 "wandb", "Logging to Weights & Biases (run.wandb_project)", extra="wandb"

@@ -2,15 +2,15 @@
 
 A checkpoint is ``iter_NNNNNNN/`` holding the model and optimizer as a Megatron-Core
 distributed checkpoint (each rank writes its shards), the LR schedule, the data position and
-every rank's random generator states (:mod:`megatron_gspo.rng`). It is written into
+every rank's random generator states (:mod:`megatron_gspo.run.rng`). It is written into
 ``.iter_NNNNNNN.tmp`` and renamed into place only when every rank has finished; ``latest``
 names the newest complete one and is replaced atomically after the rename. A process killed
 mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
 removes the debris.
 
-A ``manifest.json`` (:mod:`megatron_gspo.manifest`) records the layout and model it was saved
-with and every file's size and SHA-256; loading verifies them first (all ranks, a share each)
-and names a missing, truncated or changed file. Model and optimizer are saved in
+A ``manifest.json`` (:mod:`megatron_gspo.weights.manifest`) records the layout and model it was
+saved with and every file's size and SHA-256; loading verifies them first (all ranks, a share
+each) and names a missing, truncated or changed file. Model and optimizer are saved in
 Megatron-Core's reshardable forms (the distributed optimizer's ``fully_reshardable``), so a run
 resumes on another TP/PP/EP/DP layout. Weights holding NaN or inf are never saved.
 """
@@ -29,16 +29,16 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_gspo.checks import check_checkpoint_model
-from megatron_gspo.manifest import (
+from megatron_gspo.run.rng import get_rng_state, set_rng_state
+from megatron_gspo.trainer.policy import Policy
+from megatron_gspo.weights.manifest import (
     MANIFEST,
     CheckpointError,
     checksummed_files,
     sha256_of,
     verify,
 )
-from megatron_gspo.policy import Policy
-from megatron_gspo.rng import get_rng_state, set_rng_state
+from megatron_gspo.weights.model_check import check_checkpoint_model
 
 # Reshardable over TP, PP, EP and DP: a run resumes on another layout (fully_reshardable
 # gathers the distributed optimizer's states per parameter; benchmarks/checkpoint.py measures
@@ -133,7 +133,7 @@ _WRITER_MANAGER = None
 
 
 def _writer_manager_init(parent_pid: int) -> None:
-    from megatron_gspo.procs import die_with_parent
+    from megatron_gspo.runtime.procs import die_with_parent
 
     die_with_parent(parent_pid)
 
@@ -321,7 +321,7 @@ class Checkpointer:
 
     def load(self, step: int, *, manifest: Any = _VERIFY) -> dict[str, Any]:
         """Load the checkpoint of ``step``, verified first unless ``manifest`` is what a
-        verification of it just returned (:mod:`megatron_gspo.rundir` verifies before the
+        verification of it just returned (:mod:`megatron_gspo.run.rundir` verifies before the
         policy is built; None: trusted without one)."""
         path = self.dir / _name(step)
         if manifest is _VERIFY:

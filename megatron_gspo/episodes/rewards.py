@@ -6,7 +6,7 @@ answer, checked with ``math-verify`` when installed), ``format`` (a regular expr
 other name of the form ``package.module:function`` is imported.
 
 Rewards are user code, so they run in worker processes with a deadline per call
-(``reward.timeout_s``, :mod:`megatron_gspo.workers`): a hung call costs its sample and one
+(``reward.timeout_s``, :mod:`megatron_gspo.runtime.workers`): a hung call costs its sample and one
 deadline of one worker, whose replacement starts at once. A function that raises, returns
 anything but a finite real number (NaN, inf, a string, a bool, a value float32 cannot hold), or
 misses its deadline fails that sample: counted in ``reward_errors`` or ``reward_timeouts``, and
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.user_code import check_kwargs, resolve
-from megatron_gspo.workers import WorkerPool
+from megatron_gspo.runtime.user_code import check_kwargs, resolve
+from megatron_gspo.runtime.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def _reward_handler(specs: list[tuple[str, dict]]) -> Callable:
 
 class RewardComputer:
     """Weighted sum of the recipe's reward functions, computed in worker processes with a
-    deadline per call (:mod:`megatron_gspo.workers`)."""
+    deadline per call (:mod:`megatron_gspo.runtime.workers`)."""
 
     def __init__(self, config: RewardConfig, max_workers: int | None = None) -> None:
         for i, f in enumerate(config.functions):

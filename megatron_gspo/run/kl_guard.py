@@ -6,7 +6,7 @@ engine computes otherwise and nothing of the policy's own change. Its tokens are
 step's batch that the weights the trainer holds sampled (every token of an on-policy run), and,
 with ``rollout.max_staleness >= 1``, a probe right after each weight sync: the engine scores
 ``rollout.sampler_probe`` of the step's sequences with the weights it just received and the
-trainer scores them with the same weights (:meth:`~megatron_gspo.train_step.GSPOTrainer.
+trainer scores them with the same weights (:meth:`~megatron_gspo.trainer.step.GSPOTrainer.
 sampler_kl`). A sampler that computes the model as the trainer does keeps it near the numerical
 noise of its dtype; one that computes another model (a kernel that misreads a layout, a sync
 that did not arrive, a config the engine reads otherwise) samples from a distribution no

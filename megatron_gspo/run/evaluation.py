@@ -17,12 +17,12 @@ from dataclasses import replace
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt, PromptStream
-from megatron_gspo.data.rewards import RewardComputer
 from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.rewards import RewardComputer
 from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.episodes.scoring import final_rewards
-from megatron_gspo.rank0 import on_rank0
 from megatron_gspo.rollout.protocol import SamplingParams
+from megatron_gspo.runtime.rank0 import on_rank0
 
 __all__ = ["eval_prompts", "evaluate", "is_eval_step", "pass_at_k"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_gspo.metrics import read_metrics
+from megatron_gspo.run.metrics import read_metrics
 
 # (title, series): a panel plots each series that the run recorded ("name*": every recorded
 # series whose name starts with "name", e.g. eval_pass@4).

@@ -15,11 +15,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from megatron_gspo.config import ModelConfig, Recipe
+from megatron_gspo.config import Recipe
+from megatron_gspo.weights.model_check import model_mismatch, recorded_model
 
 
 @dataclass(frozen=True)
@@ -28,10 +26,6 @@ class Problem:
     # The recipe is fine, but this machine lacks what it names (a module, a file): validate
     # exits 3 rather than 1 for these.
     here_only: bool = False
-
-
-class ModelMismatchError(ValueError):
-    """A checkpoint written for another model than the recipe's."""
 
 
 def check_data(recipe: Recipe, run_dir: Path) -> list[Problem]:
@@ -76,7 +70,7 @@ def _tokenizer(recipe: Recipe):
 
 def check_rewards(recipe: Recipe, run_dir: Path) -> list[Problem]:
     """Every reward function resolves and accepts ``(response, answer, **kwargs)``."""
-    from megatron_gspo.data.rewards import check_reward_function
+    from megatron_gspo.episodes.rewards import check_reward_function
 
     out = []
     for i, f in enumerate(recipe.reward.functions):
@@ -136,110 +130,11 @@ def find_problems(recipe: Recipe, run_dir: str | Path) -> list[Problem]:
 
 def refuse_problems(recipe: Recipe, run_dir: str | Path) -> None:
     """Raise naming every problem ``train`` would otherwise meet before its first step."""
-    from megatron_gspo.recipe import RecipeError
+    from megatron_gspo.run.recipe import RecipeError
 
     problems = find_problems(recipe, run_dir)
     if problems:
         raise RecipeError("; ".join(p.message for p in problems))
-
-
-# -- a checkpoint written for the recipe's model -------------------------------------------
-
-
-def model_mismatch(
-    directory: Path,
-    expected: dict[str, tuple[int, ...]],
-    model: ModelConfig,
-    *,
-    recorded: dict[str, Any] | None,
-    any_vocab_rows: bool,
-) -> str | None:
-    """Why the checkpoint in ``directory`` does not fit a model whose tensors have the
-    ``expected`` global shapes, or None.
-
-    The shapes are read from Megatron's checkpoint metadata, so any checkpoint is compared;
-    where the checkpoint recorded its model (``recorded``: training checkpoints, and
-    ``model_config.yaml`` of converted ones), the message names the keys that differ.
-    ``any_vocab_rows``: the vocabulary's padded rows may differ (``run.init_from``)."""
-    from megatron_gspo.weights.dist_ckpt import _saved_shapes
-    from megatron_gspo.weights.shards import VOCAB_TENSORS
-
-    saved = {
-        k: v
-        for k, v in _saved_shapes(directory).items()
-        if not k.startswith(("optimizer.", "reference."))
-    }
-    first = None
-    for key, shape in expected.items():
-        have = saved.get(key)
-        rows = 1 if any_vocab_rows and key in VOCAB_TENSORS else 0
-        if have is None or have[rows:] != shape[rows:]:
-            first = f"{key}: {list(have) if have else 'absent'} saved, {list(shape)} here"
-            break
-    if first is None:
-        extra = sorted(set(saved) - set(expected))
-        if not extra:
-            return None
-        first = f"{extra[0]}: saved, absent here"
-    fields = _differing_fields(recorded, model) if recorded else []
-    why = f"it was written for {', '.join(fields)}" if fields else "its tensors differ"
-    return f"checkpoint {directory} does not fit the recipe's model: {why} ({first})"
-
-
-def _differing_fields(recorded: dict[str, Any], model: ModelConfig) -> list[str]:
-    now = model.model_dump(mode="json")
-    return [
-        f"model.{k} {recorded[k]!r}, the recipe says {now[k]!r}"
-        for k in now
-        if k in recorded and recorded[k] != now[k]
-    ]
-
-
-def module_shapes(module) -> dict[str, tuple[int, ...]]:
-    """The global shape of every tensor ``module`` saves in a distributed checkpoint."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    sharded = module.sharded_state_dict()
-    apply_factories(sharded)
-    return {
-        v.key: tuple(v.global_shape) for v in nested_values(sharded) if isinstance(v, ShardedTensor)
-    }
-
-
-def check_checkpoint_model(
-    directory: Path, policy, *, recorded: dict[str, Any] | None, any_vocab_rows: bool = False
-) -> None:
-    """Refuse, on every rank, a checkpoint written for another model (collective: each rank
-    knows the shapes of its own stage)."""
-    import torch.distributed as dist
-
-    parts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(parts, module_shapes(policy.model))
-    expected = {k: v for part in parts for k, v in part.items()}
-    why = model_mismatch(
-        directory,
-        expected,
-        policy.recipe.model,
-        recorded=recorded,
-        any_vocab_rows=any_vocab_rows,
-    )
-    if why:
-        raise ModelMismatchError(why)
-
-
-def recorded_model(directory: Path) -> dict[str, Any] | None:
-    """The model a checkpoint says it holds: a training checkpoint's manifest, or the
-    ``model_config.yaml`` that ``convert hf-to-megatron`` writes."""
-    from megatron_gspo.manifest import read_manifest
-
-    manifest = read_manifest(directory)
-    if manifest is not None:
-        return manifest.get("model")
-    config = directory / "model_config.yaml"
-    if config.is_file():
-        return (yaml.safe_load(config.read_text()) or {}).get("model")
-    return None
 
 
 def _start_checkpoint(recipe: Recipe, run_dir: Path) -> tuple[Path, bool] | None:

@@ -1,6 +1,6 @@
 """What one training run holds, built at start-up in dependency order and released at its end.
 
-The loop (:mod:`megatron_gspo.train`) reads as the algorithm; this module is where its parts
+The loop (:mod:`megatron_gspo.run.loop`) reads as the algorithm; this module is where its parts
 come from: the process groups, the prompts, the reward functions, the policy and its trainer,
 the rollout engine and the episodes it samples, checkpoints (and resuming from one), metrics.
 """
@@ -14,21 +14,21 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from megatron_gspo.checkpoint import Checkpointer
 from megatron_gspo.config import Recipe
-from megatron_gspo.data.packing import Sample
 from megatron_gspo.data.prompts import PromptStream
-from megatron_gspo.data.rewards import RewardComputer
-from megatron_gspo.dynamic_sampling import fill_with_signal
+from megatron_gspo.episodes.dynamic_sampling import fill_with_signal
+from megatron_gspo.episodes.rewards import RewardComputer
 from megatron_gspo.episodes.sampling import EpisodeSampler
 from megatron_gspo.episodes.scoring import Scorer
-from megatron_gspo.evaluation import eval_prompts, evaluate, is_eval_step
-from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.parallel import ParallelGroups
-from megatron_gspo.policy import Policy
 from megatron_gspo.rollout import make_engine
-from megatron_gspo.rundir import Start, begin
-from megatron_gspo.train_step import GSPOTrainer
+from megatron_gspo.run.checkpoint import Checkpointer
+from megatron_gspo.run.evaluation import eval_prompts, evaluate, is_eval_step
+from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.run.rundir import Start, begin
+from megatron_gspo.trainer.packing import Sample
+from megatron_gspo.trainer.policy import Policy
+from megatron_gspo.trainer.step import GSPOTrainer
 
 __all__ = ["Session"]
 
@@ -40,7 +40,7 @@ class Session:
     workers and writes the metrics)."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, groups: ParallelGroups) -> None:
-        """The parts, before any is loaded (the recipe passed :mod:`megatron_gspo.checks`)."""
+        """The parts, before any is loaded (the recipe passed :mod:`megatron_gspo.run.checks`)."""
         self.recipe, self.run_dir, self.groups = recipe, run_dir, groups
         self.rank0 = dist.get_rank() == 0
         max_prompt_tokens = recipe.model.max_seq_length - recipe.rollout.max_new_tokens
@@ -66,7 +66,7 @@ class Session:
 
     def resume(self, start: Start) -> None:
         """The weights (and data position, queued rollouts) to start from: the checkpoint of
-        ``start.step`` (:mod:`megatron_gspo.rundir` chose and verified it), else
+        ``start.step`` (:mod:`megatron_gspo.run.rundir` chose and verified it), else
         ``run.init_from``; then the engine samples from them."""
         if start.step:
             state = self.checkpoints.load(start.step, manifest=start.manifest)
@@ -123,7 +123,7 @@ class Session:
     def probe_sampler(self, samples: list[Sample]) -> dict[str, float]:
         """Right after a weight sync of an off-policy run: the engine and the trainer score a
         few of the step's sequences with the weights both now hold (``rollout_sampler_kl``
-        over them; :mod:`megatron_gspo.rollout.kl_guard`). On-policy runs need no probe: each
+        over them; :mod:`megatron_gspo.run.kl_guard`). On-policy runs need no probe: each
         batch's tokens were sampled by the weights the trainer scores them with."""
         n = self.recipe.rollout.sampler_probe
         if not self.recipe.rollout.max_staleness or not n or not samples:

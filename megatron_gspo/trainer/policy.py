@@ -173,7 +173,7 @@ class Policy:
         path = Path(checkpoint_dir)
         if not (path / "metadata.json").is_file():
             raise FileNotFoundError(f"{path}: not a Megatron distributed checkpoint")
-        from megatron_gspo.checks import check_checkpoint_model, recorded_model
+        from megatron_gspo.weights.model_check import check_checkpoint_model, recorded_model
 
         check_checkpoint_model(path, self, recorded=recorded_model(path), any_vocab_rows=True)
         load_model_weights(self.model, path)

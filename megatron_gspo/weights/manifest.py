@@ -1,7 +1,7 @@
 """A checkpoint's manifest: the layout and model it was saved with and every file's size and
 SHA-256, written last; verification names a missing, truncated or changed file.
 
-Kept apart from :mod:`megatron_gspo.checkpoint` (which writes and loads) so that a run directory
+Kept apart from :mod:`megatron_gspo.run.checkpoint` (which writes and loads) so that a run directory
 can be checked before a policy exists, and by tools without Megatron-Core's model code.
 """
 

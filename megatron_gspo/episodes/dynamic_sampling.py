@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from itertools import groupby
 
-from megatron_gspo.data.packing import Sample
+from megatron_gspo.trainer.packing import Sample
 
 __all__ = ["by_group", "fill_with_signal", "groups_without_signal"]
 

@@ -1,0 +1,1 @@
+"""The trainer: the policy, one update step, mini/micro-batches, step metrics."""
