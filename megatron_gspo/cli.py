@@ -11,7 +11,7 @@ from megatron_gspo.launch import launch
 from megatron_gspo.launch.plan import plan
 from megatron_gspo.run.recipe import load_recipe
 from megatron_gspo.run.signals import catch_sigterm
-from megatron_gspo.runtime.errors import debug_enabled, one_line, user_errors
+from megatron_gspo.runtime.errors import UserError, debug_enabled, one_line
 from megatron_gspo.runtime.extras import MissingExtraError, check_recipe_extras
 
 
@@ -36,7 +36,7 @@ class _Commands(click.Group):
         except click.exceptions.ClickException:
             raise
         except Exception as e:
-            if not isinstance(e, user_errors()):
+            if not isinstance(e, UserError):
                 raise
             report(e)
             ctx.exit(1)

@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import Recipe
-from tests._dist import run_distributed
-from tests.test_train_loop import ROOT, _metrics, _train, _weights, loop_recipe
-
-TIME_KEYS = ("time_", "_s", "_per_s")
-
-
-def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not (k.startswith("time_") or k.endswith(TIME_KEYS))}
+from tests.support.ranks import run_distributed
+from tests.support.runs import ROOT, comparable, loop_recipe, run_metrics, run_weights, train_run
 
 
 def _todays_loop(rank, world, data: dict, steps: int):
@@ -64,14 +58,14 @@ def _todays_loop(rank, world, data: dict, steps: int):
 def test_max_staleness_0_is_the_on_policy_loop_bit_for_bit(tmp_path):
     data = loop_recipe(tmp_path / "run", run={"plot_every": 0, "tensorboard": False})
     assert Recipe.model_validate(data).rollout.max_staleness == 0
-    run_distributed(_train, 1, data, 3, True)
+    run_distributed(train_run, 1, data, 3, True)
     reference, ref_weights = run_distributed(_todays_loop, 1, data, 3)[0]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     for got, want in zip(records, reference, strict=True):
-        want = _comparable(want)
-        got = {k: v for k, v in _comparable(got).items() if k in want}
+        want = comparable(want)
+        got = {k: v for k, v in comparable(got).items() if k in want}
         assert got == want, f"step {want['step']} differs from the on-policy loop"
-    weights = run_distributed(_weights, 1, data, 3)[0]
+    weights = run_distributed(run_weights, 1, data, 3)[0]
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
@@ -88,7 +82,7 @@ def _slow_train(rank, world, data: dict, steps: int, delay_s: float):
         return step(self, samples)
 
     GSPOTrainer.step = slow
-    _train(rank, world, data, steps, True)
+    train_run(rank, world, data, steps, True)
 
 
 @pytest.mark.slow
@@ -101,7 +95,7 @@ def test_staleness_never_exceeds_the_bound_even_with_a_slow_trainer(tmp_path):
     )
     # The generator could run far ahead while the trainer sleeps; it must not.
     run_distributed(_slow_train, 1, data, 6, 0.5)
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     lag = [r["staleness_max"] for r in records]
     assert max(lag) <= k, f"a batch staler than {k} versions was trained on: {lag}"
     # The schedule is deterministic: the first batches come from the initial weights.
@@ -126,19 +120,19 @@ def test_staleness_1_under_two_ranks_resumes_exactly(tmp_path):
     )
     straight = loop_recipe(tmp_path / "straight", **common)
     split = loop_recipe(tmp_path / "split", **common)
-    run_distributed(_train, 2, straight, 4, True)
-    run_distributed(_train, 2, split, 2, True)
-    run_distributed(_train, 2, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    run_distributed(train_run, 2, straight, 4, True)
+    run_distributed(train_run, 2, split, 2, True)
+    run_distributed(train_run, 2, split, 4, True)
+    a, b = run_metrics(tmp_path / "straight"), run_metrics(tmp_path / "split")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["staleness_max"] for r in a] == [0, 1, 1, 1]
     # The generation worker's routes: its own at step 1, a version behind after.
     disagreement = [r["rollout_routing_disagreement"] for r in a]
     assert disagreement[0] == 0.0 and all(d > 0 for d in disagreement[1:]), disagreement
     for ra, rb in zip(a, b, strict=True):
-        assert _comparable(ra) == _comparable(rb), f"step {ra['step']} differs after resume"
-    wa = run_distributed(_weights, 2, straight, 4)[0]
-    wb = run_distributed(_weights, 2, split, 4)[0]
+        assert comparable(ra) == comparable(rb), f"step {ra['step']} differs after resume"
+    wa = run_distributed(run_weights, 2, straight, 4)[0]
+    wb = run_distributed(run_weights, 2, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
     queued = Path(tmp_path / "split" / "checkpoints" / "iter_0000002" / "trainer_state.json")
     assert '"rollout_queue"' in queued.read_text() and '"routes"' in queued.read_text()
@@ -158,7 +152,7 @@ def test_the_async_recipe_as_shipped_trains_to_its_last_step(tmp_path):
     cmd += ["--output-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 251))
     assert max(r["rollout_sampler_kl"] for r in records) < 1e-6
     limit = RolloutConfig().max_rollout_kl

@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from megatron_gspo.config import Recipe
-from tests._dist import run_distributed
-from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _metrics, _train, _weights, loop_recipe, straight_and_resumed
+from tests.support.ranks import run_distributed
+from tests.support.runs import (
+    comparable,
+    loop_recipe,
+    run_metrics,
+    run_weights,
+    straight_and_resumed,
+    train_run,
+)
 
 EP2 = {"parallel": {"expert_model_parallel_size": 2}}
 DP2_DISTOPT = {"memory": {"use_distributed_optimizer": True}}
@@ -57,19 +63,19 @@ def test_resume_on_another_layout_continues_as_the_original_would(tmp_path, firs
     if "rollout" in layout_b:  # the same engine on both sides of the comparison
         for d in (straight, split_a):
             d["rollout"].update(layout_b["rollout"])
-    run_distributed(_train, world_a, straight, 4, True)
-    run_distributed(_train, world_a, split_a, 2, True)
-    run_distributed(_train, world_b, split_b, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    run_distributed(train_run, world_a, straight, 4, True)
+    run_distributed(train_run, world_a, split_a, 2, True)
+    run_distributed(train_run, world_b, split_b, 4, True)
+    a, b = run_metrics(tmp_path / "straight"), run_metrics(tmp_path / "split")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b, strict=True):
-        ca, cb = _comparable(ra), _comparable(rb)
+        ca, cb = comparable(ra), comparable(rb)
         assert ca.keys() == cb.keys()
         for key in ("reward_mean", "loss", "approx_kl", "clip_fraction", "grad_norm"):
             assert _close(ca[key], cb[key]), f"step {ra['step']} {key}: {ca[key]} vs {cb[key]}"
-    wa = run_distributed(_weights, world_a, straight, 4)[0]
-    wb = run_distributed(_weights, world_b, split_b, 4)[0]
-    start = run_distributed(_weights, world_a, split_a, 2)[0]
+    wa = run_distributed(run_weights, world_a, straight, 4)[0]
+    wb = run_distributed(run_weights, world_b, split_b, 4)[0]
+    start = run_distributed(run_weights, world_a, split_a, 2)[0]
     for k in wa:
         update = (wa[k] - start[k]).abs().max().clamp_min(1e-12)
         err = float((wa[k] - wb[k]).abs().max() / update)
@@ -81,7 +87,7 @@ def _save_and_damage(rank, world, data: dict, how: str):
     from megatron_gspo.run.checkpoint import Checkpointer, CheckpointError
     from megatron_gspo.trainer.policy import Policy
     from megatron_gspo.trainer.step import GSPOTrainer
-    from tests.rl_fixtures import rollout_batch
+    from tests.support.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))
@@ -117,7 +123,7 @@ def _save_nan(rank, world, data: dict):
     from megatron_gspo.run.checkpoint import Checkpointer, CheckpointError
     from megatron_gspo.trainer.policy import Policy
     from megatron_gspo.trainer.step import GSPOTrainer
-    from tests.rl_fixtures import rollout_batch
+    from tests.support.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))
@@ -144,7 +150,7 @@ def test_distributed_optimizer_resumes_bit_exactly_on_the_same_layout(tmp_path):
     straight = _layout(tmp_path / "straight", **DP2_DISTOPT)
     split = _layout(tmp_path / "split", **DP2_DISTOPT)
     a, b = straight_and_resumed(straight, split, world=2)
-    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
-    wa = run_distributed(_weights, 2, straight, 4)[0]
-    wb = run_distributed(_weights, 2, split, 4)[0]
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]
+    wa = run_distributed(run_weights, 2, straight, 4)[0]
+    wb = run_distributed(run_weights, 2, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"

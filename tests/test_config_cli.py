@@ -11,7 +11,7 @@ import yaml
 
 from megatron_gspo.config import ParallelConfig, PrecisionConfig
 from megatron_gspo.run.recipe import RecipeError, load_recipe
-from tests.tiny import TINY_MOE
+from tests.support.tiny import TINY_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny-moe.yaml"

@@ -23,10 +23,10 @@ import yaml
 
 from megatron_gspo.config import ParallelConfig, Recipe
 from megatron_gspo.parallel.context import cp_segment_positions, cp_token_index
-from tests._dist import run_distributed
-from tests.rl_fixtures import rollout_batch, tiny_recipe
-from tests.test_train_step import LINEAR_ADAM, _max_rel_weight_diff, _step
-from tests.tiny import TINY_MOE
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import rollout_batch, tiny_recipe
+from tests.support.steps import CP2, LINEAR_ADAM, max_rel_weight_diff, train_steps
+from tests.support.tiny import TINY_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,7 +199,7 @@ def _single_rank(packing: bool, **sections):
         **sections,
     )
     samples = rollout_batch()
-    metrics, start, weights = run_distributed(_step, 1, recipe, samples, STEPS)[0]
+    metrics, start, weights = run_distributed(train_steps, 1, recipe, samples, STEPS)[0]
     return recipe, samples, metrics, weights, start
 
 
@@ -207,14 +207,16 @@ def _equal_to_single_rank(reference, parallel: dict, world: int, compared=COMPAR
     recipe, samples, ref_metrics, ref_weights, start = reference
     data = recipe.model_dump()
     data["parallel"].update(parallel)
-    results = run_distributed(_step, world, Recipe.model_validate(data), samples, STEPS, start)
+    results = run_distributed(
+        train_steps, world, Recipe.model_validate(data), samples, STEPS, start
+    )
     metrics, _, weights = results[0]
     for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
         for key in compared:
             assert abs(m[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (
                 f"step {step + 1} {key}: {m[key]} != single-rank {r[key]}"
             )
-    err = _max_rel_weight_diff(weights, ref_weights, start)
+    err = max_rel_weight_diff(weights, ref_weights, start)
     assert err <= tol, f"updated weights differ from single rank by {err:.2e} (relative)"
     return ref_metrics
 
@@ -229,7 +231,6 @@ def padded_single_rank():
     return _single_rank(packing=False)
 
 
-CP2 = {"context_parallel_size": 2}
 CP2_TP2_SP = {
     "context_parallel_size": 2,
     "tensor_model_parallel_size": 2,

@@ -11,21 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from tests._dist import run_distributed
-from tests.hf_tiny import hf_logits, make_hf_dense, make_hf_moe, tokens
+from tests.support.hf_tiny import hf_logits, make_hf_dense, make_hf_moe, read_hf_dir, tokens
+from tests.support.ranks import run_distributed
 
 LOGIT_ATOL = 1e-4
-
-
-def _read_hf_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                out[k] = st.get_tensor(k)
-    return out
 
 
 def _causal_mask(t: int) -> torch.Tensor:
@@ -114,8 +104,8 @@ def test_moe_routing_is_nontrivial(hf_models) -> None:
 @pytest.mark.parametrize("name", ["moe", "dense"])
 def test_megatron_to_hf_is_bit_identical(hf_models, converted, name: str) -> None:
     work, models = hf_models
-    orig = _read_hf_dir(work / f"hf_{name}")
-    back = _read_hf_dir(work / f"hf_back_{name}")
+    orig = read_hf_dir(work / f"hf_{name}")
+    back = read_hf_dir(work / f"hf_back_{name}")
     assert set(back) == set(orig)
     bad = [k for k in orig if not torch.equal(orig[k], back[k])]
     assert not bad, f"tensors changed by the round trip: {bad}"
@@ -179,8 +169,8 @@ def test_round_trip_through_parallel_layout(hf_models, converted, layout: str, t
         writer.write(name, tensor)
     writer.close()
 
-    orig = _read_hf_dir(work / "hf_moe")
-    back = _read_hf_dir(tmp_path)
+    orig = read_hf_dir(work / "hf_moe")
+    back = read_hf_dir(tmp_path)
     assert set(back) == set(orig)
     bad = [k for k in orig if not torch.equal(orig[k], back[k])]
     assert not bad, f"{layout}: tensors changed by the round trip: {bad}"

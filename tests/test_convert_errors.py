@@ -20,7 +20,7 @@ from megatron_gspo.model.hf_config import (
 )
 from megatron_gspo.weights.convert import ConversionError, _atomic_dir, hf_to_megatron, main
 from megatron_gspo.weights.hf import HFMapping, split_fused_experts
-from tests.hf_tiny import make_hf_moe
+from tests.support.hf_tiny import make_hf_moe
 
 
 @pytest.fixture(scope="module")

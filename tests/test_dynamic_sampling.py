@@ -7,8 +7,7 @@ import pytest
 
 from megatron_gspo.episodes.dynamic_sampling import fill_with_signal, groups_without_signal
 from megatron_gspo.trainer.packing import Sample
-from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import loop_recipe, straight_and_resumed
+from tests.support.runs import comparable, loop_recipe, straight_and_resumed
 
 
 def _groups(advantages: list[list[float]], tag: int) -> list[Sample]:
@@ -51,7 +50,7 @@ def test_dynamic_sampling_trains_only_on_signal_and_resumes_exactly(tmp_path):
     straight = loop_recipe(tmp_path / "straight", **common)
     split = loop_recipe(tmp_path / "split", **common)
     a, b = straight_and_resumed(straight, split)
-    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]
     assert any(r["filtered_groups_fraction"] > 0 for r in a), "nothing was ever filtered"
     for r in a:
         if r["dynamic_sampling_rounds"] < 4:  # filled: every trained group has a signal

@@ -25,7 +25,7 @@ from megatron_gspo.rollout.protocol import (
     RolloutResult,
     SamplingParams,
 )
-from tests.qwen_style import make_tokenizer_dir
+from tests.support.qwen_style import make_tokenizer_dir
 
 TASK = SyntheticTask("relay_digits", min_len=1, max_len=3, turns=3)
 TOK = TASK.tokenizer
@@ -163,10 +163,10 @@ def test_single_turn_is_the_engines_completions_as_they_are():
 @pytest.mark.parametrize(
     "env, kwargs, end, message",
     [
-        ("tests.faulty_envs:FlakyRelay", {"raise_on": ""}, "env_error", "broke on"),
-        ("tests.faulty_envs:FlakyRelay", {"hang_on": ""}, "env_timeout", "within 1 s"),
-        ("tests.faulty_envs:Unpicklable", {}, "env_error", "reset"),
-        ("tests.faulty_envs:BadStep", {}, "env_error", "not an environment Step"),
+        ("tests.support.faulty_envs:FlakyRelay", {"raise_on": ""}, "env_error", "broke on"),
+        ("tests.support.faulty_envs:FlakyRelay", {"hang_on": ""}, "env_timeout", "within 1 s"),
+        ("tests.support.faulty_envs:Unpicklable", {}, "env_error", "reset"),
+        ("tests.support.faulty_envs:BadStep", {}, "env_error", "not an environment Step"),
     ],
     ids=["raises", "hangs", "unpicklable-state", "malformed-step"],
 )
@@ -296,7 +296,7 @@ def _score(rank, world, recipe_data: dict, groups_json, prompt_list, reward_name
 
 
 def _relay_recipe(**sections) -> dict:
-    from tests.rl_fixtures import tiny_recipe
+    from tests.support.rl_fixtures import tiny_recipe
 
     data = tiny_recipe().model_dump()
     data["data"] = {"task": "relay_digits", "task_options": {"turns": 3}}
@@ -320,7 +320,7 @@ def _episode(rewards: list[float], failure: str | None = None) -> dict:
 
 
 def test_drop_group_takes_out_exactly_the_groups_with_a_failure():
-    from tests._dist import run_distributed
+    from tests.support.ranks import run_distributed
 
     groups = [
         [_episode([1.0, 0.0]), _episode([0.0, 1.0])],
@@ -345,7 +345,7 @@ def test_drop_group_takes_out_exactly_the_groups_with_a_failure():
 
 
 def test_turn_level_credit_reaches_each_token_of_its_turn():
-    from tests._dist import run_distributed
+    from tests.support.ranks import run_distributed
 
     groups = [[_episode([1.0, 0.0]), _episode([0.0, 1.0])]]
     data = _relay_recipe(loss={"name": "gspo_token", "advantage_level": "turn"})
@@ -430,7 +430,7 @@ def test_concurrent_episodes_end_alone_on_a_failing_environment():
     from megatron_gspo.episodes.concurrent import ConcurrentRunner
 
     pool = EnvironmentPool(
-        "tests.faulty_envs:FlakyRelay", {"hang_on": ""}, timeout_s=1.0, workers=2
+        "tests.support.faulty_envs:FlakyRelay", {"hang_on": ""}, timeout_s=1.0, workers=2
     )
     servers = FakeServers()
     try:

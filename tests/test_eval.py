@@ -9,9 +9,8 @@ import pytest
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.run.evaluation import pass_at_k
-from tests._dist import run_distributed
-from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _metrics, _train, loop_recipe
+from tests.support.ranks import run_distributed
+from tests.support.runs import comparable, loop_recipe, run_metrics, train_run
 
 QUIET = {"plot_every": 0, "tensorboard": False, "checkpoint_every": 100}
 EVAL = {"every": 2, "num_prompts": 6, "k": 3}
@@ -30,9 +29,9 @@ def test_eval_is_logged_at_step_0_and_every_n_and_changes_no_training_step(tmp_p
     with_eval = loop_recipe(
         tmp_path / "eval", run=QUIET, rollout={"max_staleness": staleness}, eval=EVAL
     )
-    run_distributed(_train, 1, plain, 4, False)
-    run_distributed(_train, 1, with_eval, 4, False)
-    a, b = _metrics(tmp_path / "plain"), _metrics(tmp_path / "eval")
+    run_distributed(train_run, 1, plain, 4, False)
+    run_distributed(train_run, 1, with_eval, 4, False)
+    a, b = run_metrics(tmp_path / "plain"), run_metrics(tmp_path / "eval")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for r in b:
         has = r["step"] % 2 == 0
@@ -40,8 +39,8 @@ def test_eval_is_logged_at_step_0_and_every_n_and_changes_no_training_step(tmp_p
         if has:
             assert all(0.0 <= r[k] <= 1.0 for k in EVAL_KEYS), r
     # Evaluation samples with its own seeds on weights already synced: training is unchanged.
-    trained = [{k: v for k, v in _comparable(r).items() if not k.startswith("eval_")} for r in b]
-    assert trained[1:] == [_comparable(r) for r in a]
+    trained = [{k: v for k, v in comparable(r).items() if not k.startswith("eval_")} for r in b]
+    assert trained[1:] == [comparable(r) for r in a]
 
 
 def test_keep_best_keeps_the_best_eval_checkpoint(tmp_path):
@@ -50,8 +49,8 @@ def test_keep_best_keeps_the_best_eval_checkpoint(tmp_path):
         run={**QUIET, "checkpoint_every": 1, "keep_checkpoints": 1},
         eval={**EVAL, "every": 1, "keep_best": True},
     )
-    run_distributed(_train, 1, data, 5, False)
-    records = {r["step"]: r for r in _metrics(tmp_path / "run") if r["step"] > 0}
+    run_distributed(train_run, 1, data, 5, False)
+    records = {r["step"]: r for r in run_metrics(tmp_path / "run") if r["step"] > 0}
     best_value = max(r["eval_reward_mean"] for r in records.values())
     ckpts = tmp_path / "run" / "checkpoints"
     best = int((ckpts / "best").read_text())

@@ -7,59 +7,42 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import _cli_train, _metrics, _wait_for, loop_recipe
+from tests.support.data import train_sentencepiece
+from tests.support.runs import (
+    QUIET,
+    cli,
+    cli_train,
+    comparable,
+    loop_recipe,
+    one_line_error,
+    run_metrics,
+    wait_for,
+    write_recipe,
+)
 
 # Fault injection at random moments and whole runs per case: the slow tier, every test here.
 pytestmark = pytest.mark.slow
-
-QUIET = {"plot_every": 0, "tensorboard": False}
-
-
-def _write(tmp_path: Path, data: dict, name: str = "recipe.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def _cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-    )
-
-
-def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in proc.stderr, proc.stderr[-3000:]
 
 
 def test_hanging_and_nan_rewards_neither_stall_nor_poison_the_run(tmp_path):
     # About a quarter of the tiny model's responses hold a 3 or a 5: every step goes on
     # (the error-fraction stop is tested in tests/test_episodes.py).
     reward = {
-        "functions": [{"name": "tests.faulty_rewards:nan_or_hang"}],
+        "functions": [{"name": "tests.support.faulty_rewards:nan_or_hang"}],
         "timeout_s": 2,
         "max_error_fraction": 1.0,
     }
     data = loop_recipe(tmp_path / "run", reward=reward, run=QUIET)
     start = time.monotonic()
-    proc = _cli("train", str(_write(tmp_path, data)), "--steps", "3", cwd=Path.cwd())
+    proc = cli("train", str(write_recipe(tmp_path, data)), "--steps", "3", cwd=Path.cwd())
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r["reward_errors"] for r in records) > 0, "no NaN reward was counted"
     assert sum(r["reward_timeouts"] for r in records) > 0, "no hung reward was counted"
@@ -72,16 +55,16 @@ def test_hanging_and_nan_rewards_neither_stall_nor_poison_the_run(tmp_path):
 
 def test_no_resume_never_destroys_a_run_without_being_told(tmp_path):
     run = tmp_path / "run"
-    recipe = _write(tmp_path, loop_recipe(run, run=QUIET))
-    assert _cli("train", str(recipe), "--steps", "2").returncode == 0
+    recipe = write_recipe(tmp_path, loop_recipe(run, run=QUIET))
+    assert cli("train", str(recipe), "--steps", "2").returncode == 0
     before = (run / "metrics.jsonl").read_text()
-    refused = _cli("train", str(recipe), "--steps", "2", "--no-resume")
-    _one_line_error(refused, str(run), "--overwrite")
+    refused = cli("train", str(recipe), "--steps", "2", "--no-resume")
+    one_line_error(refused, str(run), "--overwrite")
     assert (run / "metrics.jsonl").read_text() == before, "the refused run touched the metrics"
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
-    again = _cli("train", str(recipe), "--steps", "1", "--no-resume", "--overwrite")
+    again = cli("train", str(recipe), "--steps", "1", "--no-resume", "--overwrite")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [r["step"] for r in _metrics(run)] == [1]
+    assert [r["step"] for r in run_metrics(run)] == [1]
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000001"]
 
 
@@ -90,7 +73,6 @@ def _jsonl(path: Path, prompts: list[str]) -> None:
 
 
 def _data_recipe(tmp_path: Path, data_file: Path, **data) -> dict:
-    from tests.test_rewards_data import train_sentencepiece
 
     tok = train_sentencepiece(tmp_path)
     recipe = loop_recipe(tmp_path / "run", run=QUIET)
@@ -104,13 +86,13 @@ def test_overlong_prompts_are_skipped_and_counted_or_fatal_by_name(tmp_path):
     huge = "1 2 3 " * 2_000_000  # a 12 MB line
     _jsonl(data_file, ["1 2", huge, "3 4", "5", "6 7"] * 4)
     skip = _data_recipe(tmp_path, data_file)
-    proc = _cli("train", str(_write(tmp_path, skip)), "--steps", "1")
+    proc = cli("train", str(write_recipe(tmp_path, skip)), "--steps", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _metrics(tmp_path / "run")[0]["prompts_skipped_overlong"] >= 1
+    assert run_metrics(tmp_path / "run")[0]["prompts_skipped_overlong"] >= 1
     fail = _data_recipe(tmp_path, data_file, overlong_prompts="fail")
     fail["run"]["output_dir"] = str(tmp_path / "run2")
-    proc = _cli("train", str(_write(tmp_path, fail, "fail.yaml")), "--steps", "1")
-    _one_line_error(proc, f"{data_file}:2", "tokens")
+    proc = cli("train", str(write_recipe(tmp_path, fail, "fail.yaml")), "--steps", "1")
+    one_line_error(proc, f"{data_file}:2", "tokens")
 
 
 def test_non_utf8_data_names_the_file_and_line(tmp_path):
@@ -118,32 +100,32 @@ def test_non_utf8_data_names_the_file_and_line(tmp_path):
     data_file.write_bytes(
         b'{"prompt": "1", "answer": "1"}\n{"prompt": "\xff\xfe", "answer": "1"}\n'
     )
-    proc = _cli("train", str(_write(tmp_path, _data_recipe(tmp_path, data_file))))
-    _one_line_error(proc, f"{data_file}:2", "UTF-8")
+    proc = cli("train", str(write_recipe(tmp_path, _data_recipe(tmp_path, data_file))))
+    one_line_error(proc, f"{data_file}:2", "UTF-8")
 
 
 def test_validate_names_missing_inputs(tmp_path):
     data = loop_recipe(tmp_path / "run", run={"init_from": str(tmp_path / "nowhere")})
-    proc = _cli("validate", str(_write(tmp_path, data)))
+    proc = cli("validate", str(write_recipe(tmp_path, data)))
     assert proc.returncode == 3 and "run.init_from" in proc.stderr, proc.stderr
 
 
 def test_broken_or_damaged_checkpoints_are_one_line_errors(tmp_path):
     run = tmp_path / "run"
-    recipe = _write(tmp_path, loop_recipe(run, run=QUIET))
-    assert _cli("train", str(recipe), "--steps", "2").returncode == 0
+    recipe = write_recipe(tmp_path, loop_recipe(run, run=QUIET))
+    assert cli("train", str(recipe), "--steps", "2").returncode == 0
     ckpt = run / "checkpoints" / "iter_0000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     shard = max(manifest["files"], key=lambda f: manifest["files"][f]["bytes"])
     data = bytearray((ckpt / shard).read_bytes())
     data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
     (ckpt / shard).write_bytes(bytes(data))
-    _one_line_error(_cli("train", str(recipe), "--steps", "3"), shard, "corrupt")
-    converted = _cli("convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf"))
+    one_line_error(cli("train", str(recipe), "--steps", "3"), shard, "corrupt")
+    converted = cli("convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf"))
     assert converted.returncode == 1 and shard in converted.stderr, converted.stderr[-2000:]
     assert "Traceback" not in converted.stderr
     (run / "checkpoints" / "latest").write_text("7\n")
-    _one_line_error(_cli("train", str(recipe), "--steps", "3"), "latest", "iter_0000002")
+    one_line_error(cli("train", str(recipe), "--steps", "3"), "latest", "iter_0000002")
 
 
 def _session_processes(sid: int) -> list[str]:
@@ -153,10 +135,10 @@ def _session_processes(sid: int) -> list[str]:
 
 def test_kill_9_of_the_trainer_leaves_no_helper_process_behind(tmp_path):
     run = tmp_path / "run"
-    recipe = _write(tmp_path, loop_recipe(run, run={**QUIET, "checkpoint_every": 1}))
-    proc = _cli_train(recipe, "--steps", "1000")
+    recipe = write_recipe(tmp_path, loop_recipe(run, run={**QUIET, "checkpoint_every": 1}))
+    proc = cli_train(recipe, "--steps", "1000")
     metrics = run / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 240, proc)
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 240, proc)
     helpers = _session_processes(proc.pid)
     assert len(helpers) > 1, f"no helper processes to check: {helpers}"
     os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, as an OOM killer would
@@ -176,9 +158,9 @@ def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly
     straight = tmp_path / "straight"
     interrupted = tmp_path / "interrupted"
     common = {**QUIET, "checkpoint_every": 1, "keep_checkpoints": 2}
-    r_straight = _write(tmp_path, loop_recipe(straight, run=common), "straight.yaml")
-    r_killed = _write(tmp_path, loop_recipe(interrupted, run=common), "killed.yaml")
-    assert _cli("train", str(r_straight), "--steps", str(total)).returncode == 0
+    r_straight = write_recipe(tmp_path, loop_recipe(straight, run=common), "straight.yaml")
+    r_killed = write_recipe(tmp_path, loop_recipe(interrupted, run=common), "killed.yaml")
+    assert cli("train", str(r_straight), "--steps", str(total)).returncode == 0
     rng = random.Random(seed)
     latest_path = interrupted / "checkpoints" / "latest"
     saved, kills = 0, 0
@@ -188,7 +170,7 @@ def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly
         return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
     while True:
-        proc = _cli_train(r_killed, "--steps", str(total))
+        proc = cli_train(r_killed, "--steps", str(total))
         # Kill once this run has trained a step of its own, somewhere in the next step or the
         # save after it.
         mark = progress()
@@ -209,7 +191,7 @@ def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly
         saved = now
         assert kills < 20, "the run makes no progress between kills"
     assert kills >= 2, f"only {kills} kill(s) landed; the test checked little"
-    a, b = _metrics(straight), _metrics(interrupted)
+    a, b = run_metrics(straight), run_metrics(interrupted)
     assert [r["step"] for r in b] == list(range(1, total + 1))
     for ra, rb in zip(a, b, strict=True):
-        assert _comparable(ra) == _comparable(rb), f"step {ra['step']} differs after the kills"
+        assert comparable(ra) == comparable(rb), f"step {ra['step']} differs after the kills"

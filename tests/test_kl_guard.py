@@ -1,7 +1,8 @@
 """rollout.max_rollout_kl: a sampler that keeps disagreeing with the trainer stops the run.
 
 The guard alone (fed metrics step by step), the recipe keys, and the real loop through the CLI
-with a generation worker that samples from perturbed weights (``tests.perturbed_sampler``): it
+with a generation worker that samples from perturbed weights
+(``tests.support.perturbed_sampler``): it
 stops with one line and exit 1, on-policy and one step off-policy (where the probe after each
 sync sees it); a one-off spike, healthy steps and a policy that changes fast do not stop it.
 """
@@ -19,7 +20,7 @@ import yaml
 
 from megatron_gspo.config import Recipe, RolloutConfig
 from megatron_gspo.run.kl_guard import METRIC, RolloutKLGuard, RolloutMismatchError
-from tests.test_train_loop import ROOT, _metrics, loop_recipe
+from tests.support.runs import ROOT, loop_recipe, run_metrics
 
 
 def _guard(limit=0.05, steps=3, **kw) -> RolloutKLGuard:
@@ -110,7 +111,7 @@ def _run(tmp_path: Path, perturb: str, steps: int, **rollout) -> subprocess.Comp
     )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    cmd = [sys.executable, "-m", "tests.perturbed_sampler", "train", str(recipe)]
+    cmd = [sys.executable, "-m", "tests.support.perturbed_sampler", "train", str(recipe)]
     return subprocess.run(
         [*cmd, "--steps", str(steps)],
         capture_output=True,
@@ -128,7 +129,7 @@ def test_a_sampler_with_perturbed_weights_stops_the_run_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for needle in ("rollout_kl_k3", "rollout.max_rollout_kl", "local (generation worker)"):
         assert needle in proc.stderr, proc.stderr[-3000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2], "the run went on past the second step"
     limit = RolloutConfig().max_rollout_kl
     assert all(r["rollout_kl_k3"] > limit for r in records), records
@@ -139,7 +140,7 @@ def test_a_spike_and_healthy_steps_do_not_stop_the_run(tmp_path):
     """Only the snapshot of version 1 (the weights step 2 samples from) is perturbed."""
     proc = _run(tmp_path, perturb="1", steps=4, max_rollout_kl_steps=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    kl = [r["rollout_kl_k3"] for r in _metrics(tmp_path / "run")]
+    kl = [r["rollout_kl_k3"] for r in run_metrics(tmp_path / "run")]
     limit = RolloutConfig().max_rollout_kl
     print(f"rollout_kl_k3 by step: {kl}")
     assert kl[1] > limit, f"the perturbed step was not above the limit: {kl}"
@@ -155,7 +156,7 @@ def test_an_off_policy_run_with_a_perturbed_sampler_is_stopped_by_the_probe(tmp_
     proc = _run(tmp_path, perturb="all", steps=5, max_staleness=1, max_rollout_kl_steps=2)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "rollout_sampler_kl stayed above" in proc.stderr, proc.stderr[-3000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2], records
     assert all(r["rollout_sampler_kl"] > RolloutConfig().max_rollout_kl for r in records)
 
@@ -176,7 +177,7 @@ def test_an_honest_off_policy_sampler_measures_no_error_beside_the_drift(tmp_pat
     cmd = [sys.executable, "-m", "megatron_gspo", "train", str(recipe), "--steps", "6"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     probe = RolloutConfig().sampler_probe
     for r in records[1:]:
         assert r["rollout_sampler_kl"] < 1e-6, r

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from megatron_gspo.loss.kl import reference_kl
-from tests._dist import run_distributed
-from tests.rl_fixtures import rollout_batch, tiny_recipe
-from tests.test_async_rollouts import _comparable
-from tests.test_train_loop import loop_recipe, straight_and_resumed
-from tests.test_train_step import LINEAR_ADAM, _step
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import rollout_batch, tiny_recipe
+from tests.support.runs import comparable, loop_recipe, straight_and_resumed
+from tests.support.steps import LINEAR_ADAM, assert_equal_steps, train_steps
 
 
 def test_reference_kl_is_k3_per_sequence_mean_over_n_with_its_closed_form_gradient():
@@ -49,14 +48,14 @@ def _recipe(kl: float, mini_batches: int):
 
 def test_the_penalty_has_no_gradient_at_the_reference_and_pulls_back_once_moved():
     samples = rollout_batch()
-    (off,), start, w_off = run_distributed(_step, 1, _recipe(0.0, 1), samples)[0]
-    (on,), _, w_on = run_distributed(_step, 1, _recipe(0.5, 1), samples, 1, start)[0]
+    (off,), start, w_off = run_distributed(train_steps, 1, _recipe(0.0, 1), samples)[0]
+    (on,), _, w_on = run_distributed(train_steps, 1, _recipe(0.5, 1), samples, 1, start)[0]
     # First update: the policy is the reference, k3 and its gradient are exactly 0.
     assert on["kl_ref"] == 0.0
     assert all(torch.equal(w_off[k], w_on[k]) for k in w_off), "KL moved the first update"
     # Two mini-batches: the second starts away from the reference, and the penalty acts.
-    (off2,), _, w_off2 = run_distributed(_step, 1, _recipe(0.0, 2), samples, 1, start)[0]
-    (on2,), _, w_on2 = run_distributed(_step, 1, _recipe(0.5, 2), samples, 1, start)[0]
+    (off2,), _, w_off2 = run_distributed(train_steps, 1, _recipe(0.0, 2), samples, 1, start)[0]
+    (on2,), _, w_on2 = run_distributed(train_steps, 1, _recipe(0.5, 2), samples, 1, start)[0]
     assert on2["kl_ref"] > 0
     assert any(not torch.equal(w_off2[k], w_on2[k]) for k in w_off2)
 
@@ -80,7 +79,7 @@ def test_a_run_with_the_penalty_resumes_exactly(tmp_path):
     straight = loop_recipe(tmp_path / "straight", run=quiet, loss={"kl_coef": 0.1})
     split = loop_recipe(tmp_path / "split", run=quiet, loss={"kl_coef": 0.1})
     a, b = straight_and_resumed(straight, split)
-    assert [_comparable(r) for r in a] == [_comparable(r) for r in b]
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]
     assert a[-1]["kl_ref"] > 0
 
 
@@ -94,16 +93,15 @@ def test_a_run_with_the_penalty_resumes_exactly(tmp_path):
 )
 def test_the_penalty_under_parallel_layouts_equals_single_rank(parallel):
     from megatron_gspo.config import Recipe
-    from tests.test_train_step import _assert_equal_steps
 
     recipe = _recipe(0.5, 2)
     samples = rollout_batch()
-    ref_metrics, start, ref_weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    ref_metrics, start, ref_weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     data = recipe.model_dump()
     data["parallel"].update(parallel)
-    metrics, _, weights = run_distributed(_step, 2, Recipe.model_validate(data), samples, 2, start)[
-        0
-    ]
+    metrics, _, weights = run_distributed(
+        train_steps, 2, Recipe.model_validate(data), samples, 2, start
+    )[0]
     for m, r in zip(metrics, ref_metrics, strict=True):
         assert abs(m["kl_ref"] - r["kl_ref"]) <= 1e-5 * max(1e-3, r["kl_ref"]), (m, r)
-    _assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
+    assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.loss import POLICY_LOSSES, token_logprobs
-from tests._dist import run_distributed
+from tests.support.ranks import run_distributed
 
 # ------------------------------------------------------------------------------------------
 # Tensor parallelism: vocabulary sharded contiguously

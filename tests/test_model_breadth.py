@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.model.hf_config import HFConfigError, model_config_from_hf
-from tests._dist import run_distributed
-from tests.hf_tiny import hf_logits, make_hf_deepseek, make_hf_moe, tokens
-from tests.test_convert import _read_hf_dir
+from tests.support.hf_tiny import hf_logits, make_hf_deepseek, make_hf_moe, read_hf_dir, tokens
+from tests.support.ranks import run_distributed
+from tests.support.runs import comparable, straight_and_resumed
 
 LOGIT_ATOL = 1e-4
 ODD_VOCAB = 127
@@ -96,7 +96,7 @@ def test_logits_match_transformers_in_every_layout(converted, name, layout):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_is_bit_identical(converted, name):
     work, _ = converted
-    orig, back = _read_hf_dir(work / f"hf_{name}"), _read_hf_dir(work / f"hf_back_{name}")
+    orig, back = read_hf_dir(work / f"hf_{name}"), read_hf_dir(work / f"hf_back_{name}")
     assert set(back) == set(orig)
     bad = [
         k for k in orig if not (orig[k].dtype == back[k].dtype and torch.equal(orig[k], back[k]))
@@ -224,7 +224,7 @@ def test_multi_token_prediction_layers_are_dropped_with_a_notice(converted, tmp_
     # A second shard holding an MTP layer's tensor (layer 2 of a 2-layer model), and the
     # index that lists both shards.
     save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, src / "mtp.safetensors")
-    weight_map = {k: "model.safetensors" for k in _read_hf_dir(work / "hf_deepseek-v3")}
+    weight_map = {k: "model.safetensors" for k in read_hf_dir(work / "hf_deepseek-v3")}
     weight_map["model.layers.2.eh_proj.weight"] = "mtp.safetensors"
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (notices,) = run_distributed(_convert_one, 1, str(src), str(tmp_path / "mg"))
@@ -339,12 +339,10 @@ def _expert_bias(rank, world, data: dict, step: int) -> dict:
 
 @pytest.mark.slow
 def test_the_deepseek_flavour_trains_and_its_expert_bias_resumes_exactly(tmp_path):
-    from tests.test_async_rollouts import _comparable
-    from tests.test_train_loop import straight_and_resumed
 
     straight, split = _deepseek_loop(tmp_path / "a"), _deepseek_loop(tmp_path / "b")
     a, b = straight_and_resumed(straight, split)
-    assert [_comparable(m) for m in a] == [_comparable(m) for m in b], "resume differs"
+    assert [comparable(m) for m in a] == [comparable(m) for m in b], "resume differs"
     for key in ("routing_flip_rate", "expert_load_max_over_mean", "entropy", "clip_fraction"):
         assert all(key in m for m in a), key
     bias = run_distributed(_expert_bias, 1, straight, 4)[0]

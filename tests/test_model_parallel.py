@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ModelConfig, ParallelConfig
-from tests._dist import run_distributed
-from tests.tiny import TINY_DENSE, TINY_MOE, token_batch
+from tests.support.ranks import run_distributed
+from tests.support.tiny import TINY_DENSE, TINY_MOE, token_batch
 
 BATCH, SEQ = 4, 16
 

@@ -15,12 +15,10 @@ from megatron_gspo.config import Recipe
 from megatron_gspo.loss import gspo_loss, gspo_token_loss
 from megatron_gspo.loss.policy_loss import grpo_loss
 from megatron_gspo.trainer.packing import build_microbatch
-from tests._dist import run_distributed
-from tests.rl_fixtures import episode_batch, tiny_recipe
-from tests.test_async_rollouts import _comparable
-from tests.test_context_parallel import CP2
-from tests.test_train_loop import ROOT, _metrics, _train, _weights
-from tests.test_train_step import LINEAR_ADAM, _assert_equal_steps, _step
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import episode_batch, tiny_recipe
+from tests.support.runs import ROOT, comparable, run_metrics, run_weights, train_run
+from tests.support.steps import CP2, LINEAR_ADAM, assert_equal_steps, train_steps
 
 EPS = 0.5  # wide enough that nothing clips below: the closed form is the unclipped one
 
@@ -104,7 +102,7 @@ def _one_step(loss: str, turn_credit: bool):
         optimizer=LINEAR_ADAM, loss={"name": loss, "eps_low": EPS, "eps_high": EPS}
     )
     samples = episode_batch(turn_credit=turn_credit)
-    return run_distributed(_step, 1, recipe, samples, 1)[0]
+    return run_distributed(train_steps, 1, recipe, samples, 1)[0]
 
 
 def test_gspo_token_trains_like_gspo_with_sequence_credit_and_unlike_it_with_turn_credit():
@@ -126,7 +124,7 @@ def multi_turn_single_rank():
         loss={"name": "gspo_token", "eps_low": 0.02, "eps_high": 0.02},
     )
     samples = episode_batch()
-    metrics, start, weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    metrics, start, weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     return recipe, samples, metrics, weights, start
 
 
@@ -143,9 +141,9 @@ def test_a_multi_turn_batch_trains_alike_in_every_layout(multi_turn_single_rank,
     recipe, samples, ref_metrics, ref_weights, start = multi_turn_single_rank
     data = recipe.model_dump()
     data["parallel"].update(parallel)
-    results = run_distributed(_step, world, Recipe.model_validate(data), samples, 2, start)
+    results = run_distributed(train_steps, world, Recipe.model_validate(data), samples, 2, start)
     metrics, _, weights = results[0]
-    _assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
+    assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
 
 
 # ------------------------------------------------------------------------------------------
@@ -171,16 +169,16 @@ def test_episodes_queued_ahead_resume_exactly(tmp_path):
     common = dict(rollout={"max_staleness": 1}, train={"routing_replay": "rollout"})
     straight = multi_turn_recipe(tmp_path / "straight", **common)
     split = multi_turn_recipe(tmp_path / "split", **common)
-    run_distributed(_train, 1, straight, 4, True)
-    run_distributed(_train, 1, split, 2, True)
-    run_distributed(_train, 1, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    run_distributed(train_run, 1, straight, 4, True)
+    run_distributed(train_run, 1, split, 2, True)
+    run_distributed(train_run, 1, split, 4, True)
+    a, b = run_metrics(tmp_path / "straight"), run_metrics(tmp_path / "split")
     assert all(r["turns_mean"] > 1 for r in a), "no episode had a second turn"
     assert all(r["model_token_fraction"] < 1 for r in a)
     for ra, rb in zip(a, b, strict=True):
-        assert _comparable(ra) == _comparable(rb), f"step {ra['step']} differs after resume"
-    wa = run_distributed(_weights, 1, straight, 4)[0]
-    wb = run_distributed(_weights, 1, split, 4)[0]
+        assert comparable(ra) == comparable(rb), f"step {ra['step']} differs after resume"
+    wa = run_distributed(run_weights, 1, straight, 4)[0]
+    wb = run_distributed(run_weights, 1, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
     state = (tmp_path / "split" / "checkpoints" / "iter_0000002" / "trainer_state.json").read_text()
     assert '"episodes"' in state and '"turn_ids"' in state
@@ -191,14 +189,14 @@ def test_a_raising_and_a_hanging_environment_are_counted_and_the_run_goes_on(tmp
     data = multi_turn_recipe(
         tmp_path / "run",
         rollout={"multi_turn": {
-            "env": "tests.faulty_envs:FlakyRelay",
+            "env": "tests.support.faulty_envs:FlakyRelay",
             "env_kwargs": {"raise_on": "7", "hang_on": "8"},
             "max_turns": 3,
         }},
         reward={"timeout_s": 2, "max_error_fraction": 1.0, "on_error": "drop_group"},
     )  # fmt: skip
-    run_distributed(_train, 1, data, 2, True)
-    records = _metrics(tmp_path / "run")
+    run_distributed(train_run, 1, data, 2, True)
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert sum(r["env_errors"] for r in records) > 0, "no raising step was counted"
     assert sum(r["env_timeouts"] for r in records) > 0, "no hanging step was counted"

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from megatron_gspo.config import Recipe
-from tests._dist import run_distributed
-from tests.test_rollout_vllm import LOGPROB_ATOL, requires_vllm
-from tests.test_train_loop import ROOT, _metrics
+from tests.support.ranks import run_distributed
+from tests.support.runs import ROOT, run_metrics
+from tests.support.vllm_checks import LOGPROB_ATOL, requires_vllm
 
 RECIPE = ROOT / "recipes" / "tiny-multi-turn-vllm.yaml"
 
@@ -95,7 +95,7 @@ def _tool_episodes(rank, world, data: dict, url: str, key: str):
 @requires_vllm
 def test_concurrent_tool_episodes_score_what_was_sampled(server, tmp_path):
     url, key = server
-    env = {"env": "tests.faulty_envs:CalculatorEveryTurn", "env_kwargs": {"calls": 2}}
+    env = {"env": "tests.support.faulty_envs:CalculatorEveryTurn", "env_kwargs": {"calls": 2}}
     data = _recipe(
         tmp_path / "run",
         rollout={"prompts_per_step": 4, "group_size": 4, "multi_turn": {**env, "max_turns": 3}},
@@ -141,7 +141,7 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path):
         timeout=3000,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     first = sum(r["reward_mean"] for r in records[:5]) / 5
     last = sorted(r["reward_mean"] for r in records[-10:])[5]  # median of the last ten
     print(f"reward {first:.3f} -> {last:.3f}; turns {records[-1]['turns_mean']:.2f}")

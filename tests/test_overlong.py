@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.episodes.rewards import overlong_penalty
-from tests._dist import run_distributed
-from tests.test_train_loop import loop_recipe
+from tests.support.ranks import run_distributed
+from tests.support.runs import loop_recipe
 
 
 def test_overlong_penalty_is_dapos_linear_ramp():

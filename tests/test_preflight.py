@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests._dist import run_distributed
+from tests.support.ranks import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny-moe.yaml"
@@ -172,7 +172,7 @@ def test_micro_batches_move_every_tensor_to_the_model_device():
     from dataclasses import fields
 
     from megatron_gspo.trainer.packing import build_microbatch
-    from tests.rl_fixtures import rollout_batch
+    from tests.support.rl_fixtures import rollout_batch
 
     samples = rollout_batch()
     mb = build_microbatch(samples, list(range(4)), packing=True)

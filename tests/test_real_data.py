@@ -10,9 +10,9 @@ import pytest
 from megatron_gspo.config import DataConfig
 from megatron_gspo.data.prompts import DataError, PromptStream
 from megatron_gspo.episodes.rewards import math_answer
-from tests._dist import run_distributed
-from tests.qwen_style import make_gsm8k_parquet, make_tokenizer_dir
-from tests.test_train_loop import _metrics, _train, loop_recipe
+from tests.support.qwen_style import make_gsm8k_parquet, make_tokenizer_dir
+from tests.support.ranks import run_distributed
+from tests.support.runs import loop_recipe, run_metrics, train_run
 
 pytest.importorskip("pyarrow")
 
@@ -97,7 +97,7 @@ def test_the_loop_trains_on_a_parquet_file_in_chat_format(tmp_path, tokenizer_di
         "chat_template": True,
         "bad_records": "skip",
     }
-    run_distributed(_train, 1, data, 2, False)
-    records = _metrics(tmp_path / "run")
+    run_distributed(train_run, 1, data, 2, False)
+    records = run_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["bad_records_skipped"] == 1 for r in records)

@@ -22,6 +22,7 @@ from megatron_gspo.episodes.rewards import (
     resolve_reward,
     reward_value,
 )
+from tests.support.data import train_sentencepiece
 
 
 def test_builtin_rewards():
@@ -175,20 +176,6 @@ def _jsonl(tmp_path, lines: list[str]):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def train_sentencepiece(d):
-    """A 48-piece sentencepiece model of arithmetic questions, trained in a second."""
-    import sentencepiece as spm
-
-    corpus = d / "corpus.txt"
-    corpus.write_text(
-        "\n".join(f"what is {a} plus {b} ? {a + b}" for a in range(30) for b in range(30))
-    )
-    spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(d / "tok"), vocab_size=48, minloglevel=2
-    )
-    return d / "tok.model"
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import torch
 
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.rollout import RolloutRequest, SamplingParams
-from tests._dist import run_distributed
-from tests.tiny import TINY_MOE
+from tests.support.ranks import run_distributed
+from tests.support.tiny import TINY_MOE
 
 
 def _generate(rank, world, parallel: ParallelConfig, request: RolloutRequest):

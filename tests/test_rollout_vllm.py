@@ -14,7 +14,6 @@ builds the environment); those that need no server run everywhere: the client is
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -30,45 +29,27 @@ from megatron_gspo.rollout.vllm import (
     VLLMUnavailableError,
     wait_until_healthy,
 )
-from tests._dist import run_distributed
-from tests.vllm_tiny import (
+from tests.support.ranks import run_distributed
+from tests.support.runs import loop_recipe, run_metrics
+from tests.support.vllm_checks import (
+    LOGPROB_ATOL,
+    PROMPTS,
+    check_sync,
+    client_for,
+    hf_token_logprobs,
+    moe_sync_layouts,
+    requires_vllm,
+    start_server,
+    stop_server,
+    train_with_vllm,
+)
+from tests.support.vllm_tiny import (
     EOS_ID,
     VLLM_TINY_DENSE,
     VLLM_TINY_MOE,
-    VLLMServer,
     free_port,
     write_tiny_model,
 )
-
-requires_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vllm is not installed (see .ci/vllm-setup.sh for the vLLM test environment)",
-)
-
-SERVER_START_TIMEOUT_S = 300
-# fp32 on both sides; measured differences are ~1e-6 (different kernels and summation order).
-LOGPROB_ATOL = 1e-4
-PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [20]]
-
-
-def _start(model_dir: Path, log: Path, request, **server) -> VLLMServer:
-    srv = VLLMServer(model_dir, log, **server)
-    start = time.monotonic()
-    try:
-        wait_until_healthy([srv.url], timeout_s=SERVER_START_TIMEOUT_S, interval_s=1.0)
-    except VLLMUnavailableError as e:
-        srv.stop()
-        pytest.fail(f"{e}\n--- server log ({log}) ---\n{srv.log_tail()}")
-    print(f"vllm server on {model_dir.name} ready in {time.monotonic() - start:.1f} s")
-    srv.failed_before = request.session.testsfailed
-    return srv
-
-
-def _stop(srv: VLLMServer, request) -> None:
-    srv.stop()
-    if request.session.testsfailed > srv.failed_before:
-        reporter = request.config.pluginmanager.getplugin("terminalreporter")
-        reporter.write_line(f"--- vllm server log ({srv.log_path}) ---\n{srv.log_tail()}")
 
 
 @pytest.fixture(scope="module")
@@ -83,47 +64,21 @@ def dense_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_server(moe_dir, tmp_path_factory, request):
-    srv = _start(moe_dir, tmp_path_factory.mktemp("vllm-moe") / "server.log", request)
+    srv = start_server(moe_dir, tmp_path_factory.mktemp("vllm-moe") / "server.log", request)
     yield srv
-    _stop(srv, request)
+    stop_server(srv, request)
 
 
 @pytest.fixture(scope="module")
 def dense_server(dense_dir, tmp_path_factory, request):
-    srv = _start(dense_dir, tmp_path_factory.mktemp("vllm-dense") / "server.log", request)
+    srv = start_server(dense_dir, tmp_path_factory.mktemp("vllm-dense") / "server.log", request)
     yield srv
-    _stop(srv, request)
-
-
-def _client(server: VLLMServer) -> VLLMClient:
-    return VLLMClient([server.url], api_key=server.key, request_timeout_s=120, max_retries=1)
-
-
-def _hf_token_logprobs(model_dir: Path, prompt: list[int], response: list[int]) -> torch.Tensor:
-    model = _hf_model(model_dir)
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return lp[len(prompt) - 1 :]
-
-
-_HF_MODELS: dict[Path, torch.nn.Module] = {}
-
-
-def _hf_model(model_dir: Path) -> torch.nn.Module:
-    if model_dir not in _HF_MODELS:
-        from transformers import AutoModelForCausalLM
-
-        _HF_MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
-    return _HF_MODELS[model_dir]
+    stop_server(srv, request)
 
 
 @requires_vllm
 def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, moe_dir):
-    client = _client(moe_server)
+    client = client_for(moe_server)
     params = SamplingParams(
         group_size=4, temperature=1.0, top_p=0.9, max_new_tokens=10, stop_token_ids=(EOS_ID,)
     )
@@ -139,7 +94,7 @@ def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, m
             assert c.finish_reason == ("stop" if stopped else "length"), c
             assert EOS_ID not in c.token_ids[:-1], "generation went on past a stop id"
             assert all(lp <= 0 for lp in c.logprobs)
-            ref = _hf_token_logprobs(moe_dir, prompt, c.token_ids)
+            ref = hf_token_logprobs(moe_dir, prompt, c.token_ids)
             diff = (torch.tensor(c.logprobs) - ref).abs().max().item()
             worst = max(worst, diff)
     print(f"max |vLLM - transformers| token log-prob: {worst:.2e}")
@@ -148,7 +103,7 @@ def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, m
 
 @requires_vllm
 def test_same_seed_same_samples(moe_server):
-    client = _client(moe_server)
+    client = client_for(moe_server)
     params = SamplingParams(group_size=3, temperature=1.0, max_new_tokens=6, seed=11)
     a = client.generate(RolloutRequest(PROMPTS[:2], params))
     b = client.generate(RolloutRequest(PROMPTS[:2], params))
@@ -167,182 +122,13 @@ def test_a_server_that_returns_no_routes_is_named_with_the_flag_it_needs(moe_ser
         client.generate(RolloutRequest(PROMPTS[:1], params))
 
 
-def _prompt_logprobs(client: VLLMClient, prompt: list[int]) -> torch.Tensor:
-    """The server's log-prob of every prompt token after the first (teacher forcing)."""
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
-    rows = client.call(client.urls[0], "/v1/completions", body)["choices"][0]["prompt_logprobs"]
-    return torch.tensor(
-        [row[str(t)]["logprob"] for row, t in zip(rows[1:], prompt[1:], strict=True)]
-    )
-
-
-def _trainer_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """The Megatron policy's own log-probs of the same tokens (full vocabulary, any layout)."""
-    ids = torch.tensor([prompt])
-    n = len(prompt)
-    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-    with torch.no_grad():
-        logits = model(ids, torch.arange(n)[None], mask, runtime_gather_output=True)[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-
-
-def _one_dim_mismatches(client: VLLMClient, cfg, full: dict[str, torch.Tensor]) -> list[str]:
-    """The 1-D tensors (norms, DeepSeek's expert bias, which goes in fp32) whose bytes on the
-    server differ from the trainer's: vLLM's SHA-256 of every served parameter (dev mode's
-    ``/weight_checker``, per worker) against the trainer's full tensor (a plain copy under its
-    HF name) in the dtype it is sent in. Matrices are left out: vLLM fuses and repacks them."""
-    import hashlib
-
-    from megatron_gspo.weights.hf import HFMapping
-
-    mapping = HFMapping(cfg)
-    served = client.call(client.urls[0], "/weight_checker", {"action": "checksum"})["checksums"]
-    workers = {k.rsplit(":", 1)[0] for k in served}
-    bad, compared = [], 0
-    for megatron_name, t in full.items():
-        if t.ndim != 1:
-            continue
-        (name,) = mapping.by_megatron[megatron_name].hf
-        sent = t.to(mapping.hf_dtype(name, torch.float32)).contiguous()
-        digest = hashlib.sha256(sent.view(torch.uint8).numpy()).hexdigest()
-        bad += [f"{w}:{name}" for w in workers if served.get(f"{w}:{name}") != digest]
-        compared += 1
-    assert compared and workers, "no 1-D tensor compared"
-    return bad
-
-
-def _sync_and_compare(rank, world, cfg, parallel, url, key, vllm_cfg, seeds):
-    """After each sync of new trainer weights: the server's greedy samples and prompt log-probs
-    against the trainer's own (LocalEngine and a forward of the same Megatron model)."""
-    from megatron_gspo.model import build_model
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.rollout.local import LocalEngine
-    from megatron_gspo.weights import load_full_state_dict
-    from tests.vllm_tiny import random_full_state_dict
-
-    init_parallel(parallel)
-    model = build_model(cfg, parallel)
-    model.eval()
-    engine = VLLMEngine(vllm_cfg, cfg, model, urls=[url], api_key=key)
-    request = RolloutRequest(
-        PROMPTS, SamplingParams(group_size=1, temperature=0.0, max_new_tokens=8)
-    )
-    client = VLLMClient([url], api_key=key, request_timeout_s=120, max_retries=1)
-    rounds = []
-    for version, seed in enumerate(seeds, 1):
-        full = random_full_state_dict(cfg, seed)
-        load_full_state_dict(model, full)
-        local = LocalEngine(model).generate(request)
-        before = engine.generate(request)
-        engine.sync_weights(version)
-        after = engine.generate(request)
-        exact = _one_dim_mismatches(client, cfg, full) if rank == 0 else []
-        prompt_diff = 0.0
-        for prompt in (p for p in PROMPTS if len(p) > 1):
-            trainer = _trainer_prompt_logprobs(model, prompt)
-            if rank == 0:
-                served = _prompt_logprobs(client, prompt)
-                prompt_diff = max(prompt_diff, float((served - trainer).abs().max()))
-        rounds.append(
-            {
-                "local": [g[0].token_ids for g in local.completions],
-                "local_lp": [g[0].logprobs for g in local.completions],
-                "before": [g[0].token_ids for g in before.completions],
-                "after": [g[0].token_ids for g in after.completions],
-                "after_lp": [g[0].logprobs for g in after.completions],
-                "versions": [g[0].policy_version for g in after.completions],
-                "prompt_diff": prompt_diff,
-                "one_dim_mismatches": exact,
-                "sync": engine.last_sync,
-            }
-        )
-    left = (
-        sorted(p.name for p in Path(vllm_cfg.sync_dir).iterdir())
-        if vllm_cfg.sync_dir and rank == 0
-        else None
-    )
-    return rounds, left
-
-
-def _check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) -> None:
-    vllm_cfg = VLLMConfig(
-        urls=[server.url],
-        request_timeout_s=120,
-        max_retries=1,
-        weight_sync=weight_sync,
-        sync_dir=str(tmp_path / "sync") if weight_sync == "disk" else None,
-        # Many small buckets: the stream of buckets is what is under test.
-        bucket_mb=0.1,
-        sync_timeout_s=120,
-    )
-    if weight_sync == "disk":
-        (tmp_path / "sync").mkdir()
-    try:
-        results = run_distributed(
-            _sync_and_compare, world, cfg, parallel, server.url, server.key, vllm_cfg, [1234, 99]
-        )
-    finally:
-        # Later tests start from the weights on disk again.
-        VLLMClient([server.url], api_key=server.key).rpc(
-            server.url, "gspo_load_from_path", {"path": str(model_dir), "version": 0}
-        )
-    rounds, left = results[0]
-    for other, _ in results[1:]:
-        assert [r["after"] for r in other] == [r["after"] for r in rounds], (
-            "ranks got other rollouts"
-        )
-    for version, r in enumerate(rounds, 1):
-        print(f"sync {version}: prompt log-probs {r['prompt_diff']:.1e} off; {r['sync']}")
-        assert r["before"] != r["local"], f"sync {version}: the server already had these weights"
-        assert r["after"] == r["local"], (
-            f"after sync {version} the server samples something else than the trainer"
-        )
-        worst = max(
-            (torch.tensor(a) - torch.tensor(b)).abs().max().item()
-            for a, b in zip(r["after_lp"], r["local_lp"], strict=True)
-        )
-        assert worst < LOGPROB_ATOL, f"sync {version}: sampled log-probs differ by {worst:.2e}"
-        assert r["prompt_diff"] < LOGPROB_ATOL, (
-            f"sync {version}: prompt log-probs differ from the trainer's forward by "
-            f"{r['prompt_diff']:.2e}"
-        )
-        assert r["versions"] == [version] * len(PROMPTS), f"samples stamped {r['versions']}"
-        assert not r["one_dim_mismatches"], (
-            f"sync {version}: served bytes differ from the trainer's: {r['one_dim_mismatches']}"
-        )
-    if weight_sync == "disk":
-        assert left == ["step-000002"], f"sync_dir should hold only the latest checkpoint: {left}"
-
-
-# The MoE layouts every MoE family's sync is checked in.
-moe_sync_layouts = pytest.mark.parametrize(
-    "world,parallel,weight_sync",
-    [
-        (1, ParallelConfig(), "collective"),
-        (2, ParallelConfig(expert_model_parallel_size=2), "collective"),
-        (1, ParallelConfig(), "disk"),
-    ],
-    ids=["collective-1rank", "collective-ep2", "disk-1rank"],
-)
-
-
 @requires_vllm
 @moe_sync_layouts
 def test_after_each_sync_the_moe_server_computes_what_the_trainer_does(
     moe_server, moe_dir, tmp_path, world, parallel, weight_sync
 ):
     """Two successive syncs: the second is where a stale expert prepack would show."""
-    _check_sync(moe_server, moe_dir, tmp_path, VLLM_TINY_MOE, world, parallel, weight_sync)
-
-
-def _train_with_vllm(rank, world, data: dict, steps: int, key: str):
-    import os
-
-    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
-    from tests.test_train_loop import _train
-
-    os.environ[JOB_KEY_ENV] = key
-    _train(rank, world, data, steps, True)
+    check_sync(moe_server, moe_dir, tmp_path, VLLM_TINY_MOE, world, parallel, weight_sync)
 
 
 @requires_vllm
@@ -350,7 +136,6 @@ def test_the_training_loop_samples_from_vllm_one_step_off_policy(moe_server, moe
     """``megatron-gspo train`` with the vLLM engine and ``max_staleness: 1``: the first sync
     replaces the served checkpoint with the trainer's weights, each batch after the first
     comes from the weights one update old, and the server ends on the last version."""
-    from tests.test_train_loop import _metrics, loop_recipe
 
     data = loop_recipe(
         tmp_path / "run",
@@ -364,11 +149,11 @@ def test_the_training_loop_samples_from_vllm_one_step_off_policy(moe_server, moe
     )
     client = VLLMClient([moe_server.url], api_key=moe_server.key)
     try:
-        run_distributed(_train_with_vllm, 1, data, 3, moe_server.key)
+        run_distributed(train_with_vllm, 1, data, 3, moe_server.key)
         held = client.rpc(moe_server.url, "gspo_weights_version")[0]["version"]
     finally:
         client.rpc(moe_server.url, "gspo_load_from_path", {"path": str(moe_dir), "version": 0})
-    records = _metrics(tmp_path / "run")
+    records = run_metrics(tmp_path / "run")
     assert [r["staleness_max"] for r in records] == [0, 1, 1], records
     assert records[0]["rollout_logprob_abs_diff"] < LOGPROB_ATOL, "the first batch is on-policy"
     assert records[-1]["rollout_kl_k3"] > 0
@@ -444,7 +229,7 @@ def test_after_each_sync_the_dense_server_computes_what_a_tp2_trainer_does(
     dense_server, dense_dir, tmp_path
 ):
     parallel = ParallelConfig(tensor_model_parallel_size=2)
-    _check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, 2, parallel, "collective")
+    check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, 2, parallel, "collective")
 
 
 def _sync_into_a_failing_server(rank, world, cfg, url, key, pgid):

@@ -26,22 +26,23 @@ import pytest
 import torch
 
 from megatron_gspo.rollout import RolloutRequest, SamplingParams
-from tests._dist import run_distributed
-from tests.test_rollout_vllm import (
+from tests.support.ranks import run_distributed
+from tests.support.runs import loop_recipe, run_metrics
+from tests.support.vllm_checks import (
     LOGPROB_ATOL,
     PROMPTS,
-    _check_sync,
-    _client,
-    _hf_model,
-    _hf_token_logprobs,
-    _prompt_logprobs,
-    _start,
-    _stop,
-    _train_with_vllm,
+    check_sync,
+    client_for,
+    hf_model,
+    hf_token_logprobs,
     moe_sync_layouts,
     requires_vllm,
+    served_prompt_logprobs,
+    start_server,
+    stop_server,
+    train_with_vllm,
 )
-from tests.vllm_tiny import EOS_ID, VLLM_TINY_DEEPSEEK, write_tiny_model
+from tests.support.vllm_tiny import EOS_ID, VLLM_TINY_DEEPSEEK, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +52,23 @@ def deepseek_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def deepseek_server(deepseek_dir, tmp_path_factory, request):
-    srv = _start(deepseek_dir, tmp_path_factory.mktemp("vllm-ds") / "server.log", request)
+    srv = start_server(deepseek_dir, tmp_path_factory.mktemp("vllm-ds") / "server.log", request)
     yield srv
-    _stop(srv, request)
+    stop_server(srv, request)
 
 
 def _hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        logits = _hf_model(model_dir)(input_ids=ids).logits[0].float()
+        logits = hf_model(model_dir)(input_ids=ids).logits[0].float()
     return torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
 @requires_vllm
 def test_the_served_deepseek_computes_what_transformers_does(deepseek_server, deepseek_dir):
-    client = _client(deepseek_server)
+    client = client_for(deepseek_server)
     prompt = [5, 17, 33, 2, 90, 41, 7, 64, 200, 3, 99, 12]
-    served = _prompt_logprobs(client, prompt)
+    served = served_prompt_logprobs(client, prompt)
     prefill = (served - _hf_prompt_logprobs(deepseek_dir, prompt)).abs().max().item()
     params = SamplingParams(
         group_size=2, temperature=1.0, max_new_tokens=12, stop_token_ids=(EOS_ID,), seed=3
@@ -76,7 +77,7 @@ def test_the_served_deepseek_computes_what_transformers_does(deepseek_server, de
     decode = 0.0
     for prompt_ids, group in zip(PROMPTS, result.completions, strict=True):
         for c in group:
-            ref = _hf_token_logprobs(deepseek_dir, prompt_ids, c.token_ids)
+            ref = hf_token_logprobs(deepseek_dir, prompt_ids, c.token_ids)
             decode = max(decode, (torch.tensor(c.logprobs) - ref).abs().max().item())
     print(f"max |vLLM - transformers| log-prob: prompt {prefill:.2e}, sampled {decode:.2e}")
     assert prefill < LOGPROB_ATOL, f"prompt log-probs differ from transformers by {prefill:.2e}"
@@ -88,7 +89,7 @@ def test_the_served_deepseek_computes_what_transformers_does(deepseek_server, de
 def test_after_each_sync_the_deepseek_server_computes_what_the_trainer_does(
     deepseek_server, deepseek_dir, tmp_path, world, parallel, weight_sync
 ):
-    _check_sync(
+    check_sync(
         deepseek_server, deepseek_dir, tmp_path, VLLM_TINY_DEEPSEEK, world, parallel, weight_sync
     )
 
@@ -96,9 +97,11 @@ def test_after_each_sync_the_deepseek_server_computes_what_the_trainer_does(
 @pytest.fixture(scope="module")
 def unfixed_server(deepseek_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("vllm-ds-unfixed") / "server.log"
-    srv = _start(deepseek_dir, log, request, extension="tests.unfixed_mla.UnfixedExtension")
+    srv = start_server(
+        deepseek_dir, log, request, extension="tests.support.unfixed_mla.UnfixedExtension"
+    )
     yield srv
-    _stop(srv, request)
+    stop_server(srv, request)
 
 
 @requires_vllm
@@ -110,7 +113,6 @@ def test_a_deepseek_served_without_the_rotary_correction_is_stopped(
     """The sampler-mismatch guard at its defaults: on-policy the batch's own tokens show the
     served model's error, one step off-policy the probe after each sync does."""
     from megatron_gspo.config import RolloutConfig
-    from tests.test_train_loop import _metrics, loop_recipe
 
     data = loop_recipe(
         tmp_path / "run",
@@ -124,8 +126,8 @@ def test_a_deepseek_served_without_the_rotary_correction_is_stopped(
     )
     defaults = RolloutConfig()
     with pytest.raises(RuntimeError, match="rollout_sampler_kl stayed above"):
-        run_distributed(_train_with_vllm, 1, data, 10, unfixed_server.key)
-    records = _metrics(tmp_path / "run")
+        run_distributed(train_with_vllm, 1, data, 10, unfixed_server.key)
+    records = run_metrics(tmp_path / "run")
     figures = [r["rollout_sampler_kl"] for r in records]
     print(f"max_staleness {staleness}: rollout_sampler_kl by step {figures}")
     assert len(records) == defaults.max_rollout_kl_steps, figures

@@ -20,10 +20,10 @@ import torch
 from megatron_gspo.config import ParallelConfig, Recipe
 from megatron_gspo.rollout import RolloutRequest, SamplingParams
 from megatron_gspo.rollout.protocol import Completion
-from tests._dist import run_distributed
-from tests.rl_fixtures import rollout_batch, tiny_recipe
-from tests.test_train_step import LINEAR_ADAM, _max_rel_weight_diff, _step
-from tests.tiny import TINY_MOE
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import rollout_batch, tiny_recipe
+from tests.support.steps import LINEAR_ADAM, max_rel_weight_diff, train_steps
+from tests.support.tiny import TINY_MOE
 
 K = TINY_MOE.moe_router_topk
 LAYERS = TINY_MOE.num_layers
@@ -220,7 +220,7 @@ def replay_single_rank():
         train={"routing_replay": "rollout"},
     )
     samples = random_routes(rollout_batch(), seed=1)
-    metrics, start, weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    metrics, start, weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     return recipe, samples, metrics, weights, start
 
 
@@ -247,7 +247,7 @@ def test_rollout_replay_under_each_layout_equals_single_rank(replay_single_rank,
         data["train"]["micro_batch_tokens"] = parallel.pop("micro_batch_tokens")
     data["parallel"].update(parallel)
     metrics, _, weights = run_distributed(
-        _step, world, Recipe.model_validate(data), samples, 2, start
+        train_steps, world, Recipe.model_validate(data), samples, 2, start
     )[0]
     keys = ("loss", "clip_fraction", "approx_kl", "rollout_routing_disagreement")
     for step, (m, r) in enumerate(zip(metrics, ref, strict=True)):
@@ -256,7 +256,7 @@ def test_rollout_replay_under_each_layout_equals_single_rank(replay_single_rank,
                 f"step {step + 1} {key}: {m[key]} != single-rank {r[key]}"
             )
     assert ref[0]["rollout_routing_disagreement"] > 0.3, "random routes should mostly differ"
-    err = _max_rel_weight_diff(weights, ref_weights, start)
+    err = max_rel_weight_diff(weights, ref_weights, start)
     assert err <= 1e-4, f"updated weights differ from single rank by {err:.2e} (relative)"
 
 

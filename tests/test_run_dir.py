@@ -17,8 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_faults import QUIET, _cli, _one_line_error, _write
-from tests.test_train_loop import ROOT, _cli_train, _metrics, _wait_for, loop_recipe
+from tests.support.data import train_sentencepiece
+from tests.support.runs import (
+    QUIET,
+    ROOT,
+    cli,
+    cli_train,
+    loop_recipe,
+    one_line_error,
+    run_metrics,
+    wait_for,
+    write_recipe,
+)
 
 CKPT = "checkpoints"
 
@@ -46,8 +56,8 @@ def earlier_run(tmp_path_factory) -> Path:
     """A 4-step run with checkpoints of steps 2 and 4; each test works on a copy."""
     root = tmp_path_factory.mktemp("earlier")
     run = root / "run"
-    recipe = _write(root, loop_recipe(run, run=QUIET))
-    proc = _cli("train", str(recipe), "--steps", "4")
+    recipe = write_recipe(root, loop_recipe(run, run=QUIET))
+    proc = cli("train", str(recipe), "--steps", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
@@ -59,7 +69,7 @@ def _copy(earlier_run: Path, tmp_path: Path, **changes) -> tuple[Path, Path]:
     data = loop_recipe(run, run=QUIET)
     for section, values in changes.items():
         data[section].update(values)
-    return run, _write(tmp_path, data)
+    return run, write_recipe(tmp_path, data)
 
 
 def _it(run: Path, step: int) -> Path:
@@ -123,7 +133,7 @@ def test_a_damaged_run_directory_is_refused_and_left_as_it_was(earlier_run, tmp_
     run, recipe = _copy(earlier_run, tmp_path)
     damage(run)
     before = _hashes(run)
-    _one_line_error(_cli("train", str(recipe), "--steps", "6"), *needles)
+    one_line_error(cli("train", str(recipe), "--steps", "6"), *needles)
     assert _hashes(run) == before, "a refused run changed the earlier run's files"
 
 
@@ -150,14 +160,14 @@ def test_a_run_that_does_not_fit_the_directory_is_refused(earlier_run, tmp_path,
     changes, args, needles = MISFITS[case]
     run, recipe = _copy(earlier_run, tmp_path, **changes)
     before = _hashes(run)
-    _one_line_error(_cli("train", str(recipe), *(args or ["--steps", "6"])), *needles)
+    one_line_error(cli("train", str(recipe), *(args or ["--steps", "6"])), *needles)
     assert _hashes(run) == before
 
 
 def test_steps_already_trained_say_so_and_change_nothing(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     before = _hashes(run)
-    proc = _cli("train", str(recipe), "--steps", "4")
+    proc = cli("train", str(recipe), "--steps", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 4 already (--steps 4): nothing to train" in proc.stderr
     assert _hashes(run) == before
@@ -168,23 +178,23 @@ def test_a_missing_latest_resumes_from_the_newest_checkpoint_saying_so(earlier_r
     run, recipe = _copy(earlier_run, tmp_path)
     (run / CKPT / "latest").unlink()
     before = (run / "metrics.jsonl").read_text()
-    proc = _cli("train", str(recipe), "--steps", "5")
+    proc = cli("train", str(recipe), "--steps", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "latest is missing; resuming from step 4" in proc.stderr
     after = (run / "metrics.jsonl").read_text()
     assert after.startswith(before), "the metrics of steps 1-4 were rewritten: it started over"
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in run_metrics(run)] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow
 def test_resume_from_last_good_falls_back_loudly(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     _corrupt(_it(run, 4))
-    proc = _cli("train", str(recipe), "--steps", "5", "--resume-from-last-good")
+    proc = cli("train", str(recipe), "--steps", "5", "--resume-from-last-good")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NOT RESUMING FROM THE LATEST CHECKPOINT" in proc.stderr
     assert "iter_0000004" in proc.stderr and "resuming from step 2" in proc.stderr
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in run_metrics(run)] == [1, 2, 3, 4, 5]
     assert (run / CKPT / "latest").read_text().strip() == "5"
 
 
@@ -192,10 +202,10 @@ def test_resume_from_last_good_falls_back_loudly(earlier_run, tmp_path):
 def test_an_unverified_checkpoint_loads_only_when_trusted(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path)
     (_it(run, 4) / "manifest.json").unlink()
-    proc = _cli("train", str(recipe), "--steps", "5", "--trust-unverified-checkpoint")
+    proc = cli("train", str(recipe), "--steps", "5", "--trust-unverified-checkpoint")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loading it unverified" in proc.stderr
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in run_metrics(run)] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow
@@ -203,19 +213,19 @@ def test_a_metrics_line_cut_short_is_dropped_on_resume_and_by_plot(earlier_run, 
     run, recipe = _copy(earlier_run, tmp_path)
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "reward_mean": 0.1, "clip')  # a write interrupted by a kill
-    plotted = _cli("plot", str(run))
+    plotted = cli("plot", str(run))
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert "cut short" in plotted.stderr
-    proc = _cli("train", str(recipe), "--steps", "5")
+    proc = cli("train", str(recipe), "--steps", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropping a last line cut short" in proc.stderr
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in run_metrics(run)] == [1, 2, 3, 4, 5]
 
 
 def test_plot_names_the_line_of_a_bad_metrics_record(earlier_run, tmp_path):
     run, _ = _copy(earlier_run, tmp_path)
     _cut_metrics_line(run, 2)
-    _one_line_error(_cli("plot", str(run)), f"{run / 'metrics.jsonl'}:3")
+    one_line_error(cli("plot", str(run)), f"{run / 'metrics.jsonl'}:3")
 
 
 # -- one trainer per directory ------------------------------------------------------------
@@ -224,18 +234,18 @@ def test_plot_names_the_line_of_a_bad_metrics_record(earlier_run, tmp_path):
 @pytest.mark.slow
 def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_not_stale(tmp_path):
     run = tmp_path / "run"
-    recipe = _write(tmp_path, loop_recipe(run, run={**QUIET, "checkpoint_every": 1}))
-    first = _cli_train(recipe, "--steps", "1000")
-    _wait_for(lambda: (run / CKPT / "latest").is_file(), 240, first)
-    second = _cli("train", str(recipe), "--steps", "1000")
-    _one_line_error(second, f"{run} is in use by another trainer", f"pid {first.pid}", "host")
+    recipe = write_recipe(tmp_path, loop_recipe(run, run={**QUIET, "checkpoint_every": 1}))
+    first = cli_train(recipe, "--steps", "1000")
+    wait_for(lambda: (run / CKPT / "latest").is_file(), 240, first)
+    second = cli("train", str(recipe), "--steps", "1000")
+    one_line_error(second, f"{run} is in use by another trainer", f"pid {first.pid}", "host")
     os.killpg(first.pid, signal.SIGKILL)
     first.communicate(timeout=30)
-    steps = [r["step"] for r in _metrics(run)]
+    steps = [r["step"] for r in run_metrics(run)]
     assert steps == list(range(1, len(steps) + 1)), f"two trainers wrote metrics: {steps}"
     latest = int((run / CKPT / "latest").read_text())
     # The lock died with the killed trainer: the next one starts at once and resumes.
-    third = _cli("train", str(recipe), "--steps", str(latest + 1))
+    third = cli("train", str(recipe), "--steps", str(latest + 1))
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"at step {latest}" in third.stderr
 
@@ -270,7 +280,7 @@ def test_sigterm_during_start_up_exits_75_having_changed_nothing(earlier_run, tm
         run, recipe = _copy(earlier_run, tmp_path)
     else:
         run = tmp_path / "run"
-        recipe = _write(tmp_path, loop_recipe(run, run=QUIET))
+        recipe = write_recipe(tmp_path, loop_recipe(run, run=QUIET))
     before = _hashes(run) if resumed else {}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_gspo.cli", "train", str(recipe), "--steps", "6"],
@@ -297,10 +307,10 @@ def test_sigterm_during_start_up_exits_75_having_changed_nothing(earlier_run, tm
 
 def test_an_output_dir_under_a_regular_file_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
-    recipe = _write(tmp_path, loop_recipe(tmp_path / "afile" / "run", run=QUIET))
+    recipe = write_recipe(tmp_path, loop_recipe(tmp_path / "afile" / "run", run=QUIET))
     for command in ("train", "validate"):
-        proc = _cli(command, str(recipe))
-        _one_line_error(proc, "run directory", "afile is a file, not a directory")
+        proc = cli(command, str(recipe))
+        one_line_error(proc, "run directory", "afile is a file, not a directory")
 
 
 @pytest.mark.slow
@@ -312,9 +322,9 @@ def test_a_full_disk_is_one_line_naming_the_checkpoint(tmp_path):
     if mounted.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        recipe = _write(tmp_path, loop_recipe(disk / "run", run=QUIET))
-        proc = _cli("train", str(recipe), "--steps", "2")
-        _one_line_error(proc, f"cannot write checkpoint {disk / 'run' / CKPT}", "MiB free")
+        recipe = write_recipe(tmp_path, loop_recipe(disk / "run", run=QUIET))
+        proc = cli("train", str(recipe), "--steps", "2")
+        one_line_error(proc, f"cannot write checkpoint {disk / 'run' / CKPT}", "MiB free")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
@@ -345,25 +355,25 @@ def test_validate_refuses_what_train_would(tmp_path, case):
     data = loop_recipe(tmp_path / "run", run=QUIET)
     for section, values in changes.items():
         data[section].update(values)
-    recipe = _write(tmp_path, data)
-    _one_line_error(_cli("validate", str(recipe)), needle)
+    recipe = write_recipe(tmp_path, data)
+    one_line_error(cli("validate", str(recipe)), needle)
 
 
 def test_validate_refuses_a_run_directory_of_another_model(earlier_run, tmp_path):
     run, recipe = _copy(earlier_run, tmp_path, model={"hidden_size": 96})
-    proc = _cli("validate", str(recipe), "--output-dir", str(run))
-    _one_line_error(proc, "iter_0000004", "model.hidden_size 64, the recipe says 96")
+    proc = cli("validate", str(recipe), "--output-dir", str(run))
+    one_line_error(proc, "iter_0000004", "model.hidden_size 64, the recipe says 96")
 
 
 def test_a_binary_recipe_is_one_line(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_bytes(b"\x80\x81" + os.urandom(200))
     for command in ("train", "validate"):
-        _one_line_error(_cli(command, str(recipe)), f"{recipe}: not a text file")
+        one_line_error(cli(command, str(recipe)), f"{recipe}: not a text file")
 
 
 def test_plan_refuses_zero_nodes(tmp_path):
-    proc = _cli("plan", str(ROOT / "recipes" / "tiny-moe.yaml"), "--nodes", "0")
+    proc = cli("plan", str(ROOT / "recipes" / "tiny-moe.yaml"), "--nodes", "0")
     assert proc.returncode == 2 and "'--nodes': 0 is not in the range" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -371,16 +381,16 @@ def test_plan_refuses_zero_nodes(tmp_path):
 def test_debug_adds_the_traceback_to_the_one_line(tmp_path, monkeypatch):
     data = loop_recipe(tmp_path / "run", run=QUIET)
     data["reward"]["functions"] = [{"name": "digit_mach"}]
-    recipe = _write(tmp_path, data)
+    recipe = write_recipe(tmp_path, data)
     monkeypatch.setenv("MEGATRON_GSPO_DEBUG", "1")
-    proc = _cli("train", str(recipe))
+    proc = cli("train", str(recipe))
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "Error: reward.functions[0]" in proc.stderr
 
 
 @pytest.mark.parametrize("args", [["convert", "--help"], ["validate", "tiny-moe.yaml"]])
 def test_commands_print_no_megatron_import_warnings(args):
-    proc = _cli(*args, cwd=ROOT / "recipes")
+    proc = cli(*args, cwd=ROOT / "recipes")
     assert proc.returncode in (0, 3), proc.stderr[-3000:]
     assert "not installed" not in proc.stdout + proc.stderr, proc.stderr
 
@@ -401,7 +411,6 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, s.skipped)
 def test_a_10_mb_prompt_costs_a_few_copies_of_itself_not_its_tokens(tmp_path):
     """Tokenizing a 10 MB line whole took 0.5 GB (50 times the line) in this process alone
     (4.24 GB in a trainer); only its first characters need tokenizing to know it is too long."""
-    from tests.test_rewards_data import train_sentencepiece
 
     tok = train_sentencepiece(tmp_path)
     prompts = ["1 2", "3 4", "5", "6 7"] * 3

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,61 +15,15 @@ import torch
 import yaml
 
 from megatron_gspo.config import Recipe
-from tests._dist import run_distributed
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def loop_recipe(output_dir: Path, **sections) -> dict:
-    """The tiny recipe, shrunk for a test's budget."""
-    data = yaml.safe_load((ROOT / "recipes" / "tiny-moe.yaml").read_text())
-    data["rollout"].update(prompts_per_step=8, group_size=4)
-    data["run"].update(output_dir=str(output_dir), checkpoint_every=2, plot_every=2)
-    data["run"]["tensorboard"] = True
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return data
-
-
-def _train(rank, world, data: dict, steps: int, resume: bool):
-    from megatron_gspo.run.loop import train
-
-    recipe = Recipe.model_validate(data)
-    train(recipe, output_dir=recipe.run.output_dir, resume=resume, steps=steps)
-
-
-def _weights(rank, world, data: dict, step: int):
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.run.checkpoint import Checkpointer
-    from megatron_gspo.trainer.policy import Policy
-    from megatron_gspo.weights import gather_full_state_dict
-
-    recipe = Recipe.model_validate(data)
-    policy = Policy(recipe, init_parallel(recipe.parallel))
-    Checkpointer(Path(recipe.run.output_dir) / "checkpoints", policy).load(step)
-    return gather_full_state_dict(policy.model)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def straight_and_resumed(
-    straight: dict, split: dict, *, world: int = 1, steps: int = 4, stop_at: int = 2
-) -> tuple[list[dict], list[dict]]:
-    """The metrics of a run trained straight through ``steps`` and of the same recipe stopped
-    after ``stop_at`` steps and resumed to ``steps``."""
-    run_distributed(_train, world, straight, steps, True)
-    run_distributed(_train, world, split, stop_at, True)
-    run_distributed(_train, world, split, steps, True)
-    return _metrics(Path(straight["run"]["output_dir"])), _metrics(Path(split["run"]["output_dir"]))
+from tests.support.ranks import run_distributed
+from tests.support.runs import cli_train, loop_recipe, run_metrics, run_weights, train_run, wait_for
 
 
 def test_short_run_writes_metrics_checkpoints_and_plots(tmp_path):
     data = loop_recipe(tmp_path / "run")
-    run_distributed(_train, 1, data, 3, True)
+    run_distributed(train_run, 1, data, 3, True)
     run = tmp_path / "run"
-    records = _metrics(run)
+    records = run_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in (
         "reward_mean",
@@ -122,7 +74,7 @@ def _train_with_flipped_advantages(rank, world, data: dict, steps: int, resume: 
 
     correct = scoring.group_advantages
     scoring.group_advantages = lambda *args, **kwargs: -correct(*args, **kwargs)
-    _train(rank, world, data, steps, resume)
+    train_run(rank, world, data, steps, resume)
 
 
 def _median_of_second_half(rewards: list[float]) -> float:
@@ -144,7 +96,7 @@ def test_reward_improves_on_an_easy_task(tmp_path):
     layout tests (test_train_step.py) pin that down.
     """
     runs = {
-        seed: (_train, _learning_recipe(tmp_path / f"seed{seed}", seed)) for seed in LEARN_SEEDS
+        seed: (train_run, _learning_recipe(tmp_path / f"seed{seed}", seed)) for seed in LEARN_SEEDS
     }
     runs["flipped"] = (_train_with_flipped_advantages, _learning_recipe(tmp_path / "flipped", 0))
     # Single-threaded runs, two cores: run them side by side.
@@ -156,7 +108,7 @@ def test_reward_improves_on_an_easy_task(tmp_path):
         for future in futures.values():
             future.result()
     rewards = {
-        name: [r["reward_mean"] for r in _metrics(Path(data["run"]["output_dir"]))]
+        name: [r["reward_mean"] for r in run_metrics(Path(data["run"]["output_dir"]))]
         for name, (_, data) in runs.items()
     }
     summary = ", ".join(
@@ -178,42 +130,19 @@ def test_reward_improves_on_an_easy_task(tmp_path):
 def test_resume_continues_exactly(tmp_path):
     straight = loop_recipe(tmp_path / "straight")
     split = loop_recipe(tmp_path / "split")
-    run_distributed(_train, 1, straight, 4, True)
-    run_distributed(_train, 1, split, 2, True)
-    run_distributed(_train, 1, split, 4, True)
-    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "split")
+    run_distributed(train_run, 1, straight, 4, True)
+    run_distributed(train_run, 1, split, 2, True)
+    run_distributed(train_run, 1, split, 4, True)
+    a, b = run_metrics(tmp_path / "straight"), run_metrics(tmp_path / "split")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     skip = {k for k in a[0] if k.startswith("time_") or k.endswith("_s") or k.endswith("_per_s")}
     for ra, rb in zip(a, b, strict=True):
         assert {k: v for k, v in ra.items() if k not in skip} == {
             k: v for k, v in rb.items() if k not in skip
         }, f"step {ra['step']} differs after resume"
-    wa = run_distributed(_weights, 1, straight, 4)[0]
-    wb = run_distributed(_weights, 1, split, 4)[0]
+    wa = run_distributed(run_weights, 1, straight, 4)[0]
+    wb = run_distributed(run_weights, 1, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
-
-
-def _cli_train(recipe_path: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "megatron_gspo.cli", "train", str(recipe_path), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # Its own process group, so that a kill reaches checkpoint-writer children too, as a
-        # scheduler's kill would.
-        start_new_session=True,
-    )
-
-
-def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("timed out waiting for the training run")
-        time.sleep(0.01)
 
 
 @pytest.mark.slow
@@ -223,14 +152,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     recipe.write_text(
         yaml.safe_dump(loop_recipe(run, run={"checkpoint_every": 1000, "plot_every": 0}))
     )
-    proc = _cli_train(recipe, "--steps", "1000")
+    proc = cli_train(recipe, "--steps", "1000")
     metrics = run / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 240, proc)
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 240, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, f"a run stopped after a checkpoint exits 75\n{out}"
-    assert (run / ".preempted").read_text().strip() == str(_metrics(run)[-1]["step"])
-    last = _metrics(run)[-1]["step"]
+    assert (run / ".preempted").read_text().strip() == str(run_metrics(run)[-1]["step"])
+    last = run_metrics(run)[-1]["step"]
     assert (run / "checkpoints" / "latest").read_text().strip() == str(last)
     assert "SIGTERM: saved a checkpoint" in out
 
@@ -242,15 +171,15 @@ def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_pa
     recipe.write_text(
         yaml.safe_dump(loop_recipe(run, run={"checkpoint_every": 1, "plot_every": 0}))
     )
-    proc = _cli_train(recipe, "--steps", "1000")
+    proc = cli_train(recipe, "--steps", "1000")
     ckpts = run / "checkpoints"
     # Wait until a checkpoint exists and the next one is being written, then kill -9.
-    _wait_for(lambda: (ckpts / "latest").is_file() and any(ckpts.glob(".iter_*.tmp")), 240, proc)
+    wait_for(lambda: (ckpts / "latest").is_file() and any(ckpts.glob(".iter_*.tmp")), 240, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     latest = int((ckpts / "latest").read_text())
     assert (ckpts / f"iter_{latest:07d}" / "trainer_state.json").is_file()
-    resumed = _cli_train(recipe, "--steps", str(latest + 1))
+    resumed = cli_train(recipe, "--steps", str(latest + 1))
     out, _ = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, out
     assert f"resumed from {ckpts} at step {latest}" in out
@@ -310,7 +239,7 @@ def _save_rng(rank, world, data: dict):
     from megatron_gspo.run.rng import get_rng_state
     from megatron_gspo.trainer.policy import Policy
     from megatron_gspo.trainer.step import GSPOTrainer
-    from tests.rl_fixtures import rollout_batch
+    from tests.support.rl_fixtures import rollout_batch
 
     recipe = Recipe.model_validate(data)
     policy = Policy(recipe, init_parallel(recipe.parallel))

@@ -11,42 +11,16 @@ import pytest
 import torch
 
 from megatron_gspo.config import Recipe
-from tests._dist import run_distributed
-from tests.rl_fixtures import rollout_batch, tiny_recipe
-
-LINEAR_ADAM = {"lr": 5e3, "adam_eps": 1e4, "clip_grad": 0.0}
-
-
-def _step(rank: int, world: int, recipe: Recipe, samples, steps: int = 1, weights=None):
-    """Returns (per-step metrics, full weights before, full weights after)."""
-    from megatron_gspo.parallel import init_parallel
-    from megatron_gspo.trainer.policy import Policy
-    from megatron_gspo.trainer.step import GSPOTrainer
-    from megatron_gspo.weights import gather_full_state_dict
-
-    policy = Policy(recipe, init_parallel(recipe.parallel))
-    if weights is not None:
-        policy.load_full_state_dict(weights)
-    start = gather_full_state_dict(policy.model)
-    trainer = GSPOTrainer(policy)
-    metrics = [trainer.step(samples) for _ in range(steps)]
-    return metrics, start, gather_full_state_dict(policy.model)
-
-
-def _max_rel_weight_diff(a: dict, b: dict, start: dict) -> float:
-    """Largest difference of the updates, relative to the largest update of that tensor."""
-    worst = 0.0
-    for k in start:
-        da, db = a[k] - start[k], b[k] - start[k]
-        worst = max(worst, float((da - db).abs().max() / da.abs().max().clamp_min(1e-12)))
-    return worst
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import rollout_batch, tiny_recipe
+from tests.support.steps import LINEAR_ADAM, assert_equal_steps, max_rel_weight_diff, train_steps
 
 
 @pytest.fixture(scope="module")
 def single_rank():
     recipe = tiny_recipe(optimizer=LINEAR_ADAM, loss={"eps_low": 0.02, "eps_high": 0.02})
     samples = rollout_batch()
-    metrics, start, weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    metrics, start, weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     return recipe, samples, metrics, weights, start
 
 
@@ -60,16 +34,6 @@ def test_single_rank_step_updates_weights_and_reports_metrics(single_rank):
     assert any(m["clip_fraction"] > 0 for m in metrics), "nothing was ever clipped"
     changed = [k for k in start if not torch.equal(start[k], weights[k])]
     assert len(changed) == len(start), f"not updated: {set(start) - set(changed)}"
-
-
-def _assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start) -> None:
-    for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
-        for key in ("loss", "clip_fraction", "approx_kl", "seq_log_ratio_mean"):
-            assert abs(m[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (
-                f"step {step} {key}: {m[key]} != single-rank {r[key]}"
-            )
-    err = _max_rel_weight_diff(weights, ref_weights, start)
-    assert err <= 1e-4, f"updated weights differ from single rank by {err:.2e} (relative)"
 
 
 LAYOUTS = [
@@ -97,10 +61,10 @@ def test_two_rank_layout_step_equals_single_rank(single_rank, parallel, memory, 
     data["parallel"].update(parallel)
     data["memory"].update(memory)
     data["train"].update(train)
-    results = run_distributed(_step, 2, Recipe.model_validate(data), samples, 2, start)
+    results = run_distributed(train_steps, 2, Recipe.model_validate(data), samples, 2, start)
     metrics, start2, weights = results[0]
     assert all(torch.equal(start[k], start2[k]) for k in start), "layouts started apart"
-    _assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
+    assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
 
 
 # The router's load-balancing loss on, at a weight where its gradient shows in the update.
@@ -111,7 +75,7 @@ AUX = {"moe_aux_loss_coeff": 0.1}
 def single_rank_aux():
     recipe = tiny_recipe(model=AUX, optimizer=LINEAR_ADAM, loss={"eps_low": 0.02, "eps_high": 0.02})
     samples = rollout_batch()
-    metrics, start, weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    metrics, start, weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     return recipe, samples, metrics, weights, start
 
 
@@ -130,10 +94,10 @@ def test_layouts_with_the_aux_loss_on_equal_single_rank(single_rank_aux, paralle
     recipe, samples, ref_metrics, ref_weights, start = single_rank_aux
     data = recipe.model_dump()
     data["parallel"].update(parallel)
-    metrics, _, weights = run_distributed(_step, 2, Recipe.model_validate(data), samples, 2, start)[
-        0
-    ]
-    _assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
+    metrics, _, weights = run_distributed(
+        train_steps, 2, Recipe.model_validate(data), samples, 2, start
+    )[0]
+    assert_equal_steps(metrics, ref_metrics, weights, ref_weights, start)
 
 
 @pytest.mark.parametrize(
@@ -155,18 +119,18 @@ def test_global_aux_loss_under_dp_and_ep_equals_single_rank(parallel):
         train={"packing": True, "micro_batch_tokens": 1000},
     )
     samples = rollout_batch()
-    ref_metrics, start, ref_weights = run_distributed(_step, 1, recipe, samples, 2)[0]
+    ref_metrics, start, ref_weights = run_distributed(train_steps, 1, recipe, samples, 2)[0]
     data = recipe.model_dump()
     data["parallel"].update(parallel)
-    metrics, _, weights = run_distributed(_step, 2, Recipe.model_validate(data), samples, 2, start)[
-        0
-    ]
+    metrics, _, weights = run_distributed(
+        train_steps, 2, Recipe.model_validate(data), samples, 2, start
+    )[0]
     for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
         assert abs(m["loss"] - r["loss"]) <= 1e-5 * max(1.0, abs(r["loss"])), step
     # 1e-3 of the smallest tensor update: the aux and policy gradients nearly cancel on a
     # norm weight (update 3e-4), where round-off shows as 2e-4; without the DP correction of
     # the coefficient the updates differ by 100%.
-    err = _max_rel_weight_diff(weights, ref_weights, start)
+    err = max_rel_weight_diff(weights, ref_weights, start)
     assert err <= 1e-3, f"updated weights differ from single rank by {err:.2e} (relative)"
 
 
@@ -177,9 +141,9 @@ def test_a_filler_microbatch_adds_nothing_to_the_aux_loss(single_rank_aux):
     data = recipe.model_dump()
     data["parallel"].update(expert_model_parallel_size=2)
     data["train"].update(micro_batch_tokens=24)  # as in ep2-dp2-filler above
-    metrics, _, weights = run_distributed(_step, 2, Recipe.model_validate(data), samples, 1, start)[
-        0
-    ]
+    metrics, _, weights = run_distributed(
+        train_steps, 2, Recipe.model_validate(data), samples, 1, start
+    )[0]
     assert metrics[0]["update_skipped"] == 0 and all(
         bool(torch.isfinite(w).all()) for w in weights.values()
     ), "the filler micro-batch made the update non-finite"
@@ -207,13 +171,13 @@ def _one_minibatch(**train) -> Recipe:
 )
 def test_batching_does_not_change_loss_or_gradient(a, b):
     samples = rollout_batch(seed=3)
-    (ma,), start, wa = run_distributed(_step, 1, _one_minibatch(**a), samples)[0]
-    (mb,), _, wb = run_distributed(_step, 1, _one_minibatch(**b), samples)[0]
+    (ma,), start, wa = run_distributed(train_steps, 1, _one_minibatch(**a), samples)[0]
+    (mb,), _, wb = run_distributed(train_steps, 1, _one_minibatch(**b), samples)[0]
     assert abs(ma["loss"] - mb["loss"]) <= 1e-6 * max(1.0, abs(ma["loss"])), (
         ma["loss"],
         mb["loss"],
     )
-    err = _max_rel_weight_diff(wa, wb, start)
+    err = max_rel_weight_diff(wa, wb, start)
     assert err <= 1e-4, f"gradients differ by {err:.2e} (relative) between {a} and {b}"
     # The layouts pad differently; padding is in no router statistic.
     for key in ("routing_flip_rate", "expert_load_max_over_mean", "expert_load_min_over_mean"):
@@ -258,8 +222,8 @@ def test_rollout_old_logprobs_still_measure_the_train_inference_mismatch():
     rollout = tiny_recipe(
         optimizer=LINEAR_ADAM, train={"mini_batches": 1, "old_logprobs": "rollout"}
     )
-    (mr,), start, _ = run_distributed(_step, 1, recompute, samples)[0]
-    (mo,), _, _ = run_distributed(_step, 1, rollout, samples, 1, start)[0]
+    (mr,), start, _ = run_distributed(train_steps, 1, recompute, samples)[0]
+    (mo,), _, _ = run_distributed(train_steps, 1, rollout, samples, 1, start)[0]
     for key in ("rollout_logprob_abs_diff", "rollout_kl_k3"):
         assert abs(mo[key] - mr[key]) <= 1e-5 * abs(mr[key]), (key, mo[key], mr[key])
     assert mr["rollout_logprob_abs_diff"] > 0.5, "the fixture's rollout log-probs are off-policy"
@@ -457,15 +421,15 @@ def test_masked_is_trains_exactly_the_sequences_it_keeps():
         },
     )
     kept = [s for i, s in enumerate(samples) if i not in far]
-    (mc,), start, wc = run_distributed(_step, 1, corrected, samples)[0]
-    (mk,), _, wk = run_distributed(_step, 1, recipe, kept, 1, start)[0]
+    (mc,), start, wc = run_distributed(train_steps, 1, corrected, samples)[0]
+    (mk,), _, wk = run_distributed(train_steps, 1, recipe, kept, 1, start)[0]
     assert mc["is_masked_fraction"] == pytest.approx(len(far) / len(samples))
     assert mc["is_weight_min"] == pytest.approx(1.0, abs=1e-4), mc["is_weight_min"]
     assert abs(mc["loss"] - mk["loss"]) <= 1e-6 * max(1.0, abs(mk["loss"])), (
         mc["loss"],
         mk["loss"],
     )
-    err = _max_rel_weight_diff(wc, wk, start)
+    err = max_rel_weight_diff(wc, wk, start)
     assert err <= 1e-4, f"MIS update differs from training on the kept samples by {err:.2e}"
 
 
@@ -481,7 +445,7 @@ def test_corrections_of_on_policy_samples_change_nothing():
         dataclasses.replace(s, rollout_logprobs=ref.tolist())
         for s, ref in zip(base, reference, strict=True)
     ]
-    (m0,), start, w0 = run_distributed(_step, 1, plain, samples)[0]
+    (m0,), start, w0 = run_distributed(train_steps, 1, plain, samples)[0]
     for correction in (
         {"mode": "tis", "level": "token"},
         {"mode": "mis", "level": "sequence"},
@@ -490,10 +454,10 @@ def test_corrections_of_on_policy_samples_change_nothing():
             optimizer=LINEAR_ADAM,
             train={"mini_batches": 1, "off_policy_correction": correction},
         )
-        (m,), _, w = run_distributed(_step, 1, recipe, samples, 1, start)[0]
+        (m,), _, w = run_distributed(train_steps, 1, recipe, samples, 1, start)[0]
         assert m["is_masked_fraction"] == 0 and m["is_truncated_fraction"] == 0, m
         assert abs(m["loss"] - m0["loss"]) <= 1e-6 * max(1.0, abs(m0["loss"])), correction
-        err = _max_rel_weight_diff(w, w0, start)
+        err = max_rel_weight_diff(w, w0, start)
         assert err <= 1e-4, f"{correction}: update differs from no correction by {err:.2e}"
 
 
@@ -504,6 +468,6 @@ def test_a_non_finite_gradient_skips_the_update():
 
     samples = rollout_batch(seed=15)
     samples[3] = dataclasses.replace(samples[3], advantage=float("nan"))
-    (m,), start, after = run_distributed(_step, 1, _one_minibatch(packing=True), samples)[0]
+    (m,), start, after = run_distributed(train_steps, 1, _one_minibatch(packing=True), samples)[0]
     assert m["update_skipped"] == 1.0
     assert all(torch.equal(start[k], after[k]) for k in start), "a NaN update reached the weights"

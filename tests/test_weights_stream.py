@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ModelConfig, ParallelConfig
-from tests._dist import run_distributed
-from tests.tiny import TINY_DENSE, TINY_MOE
+from tests.support.ranks import run_distributed
+from tests.support.tiny import TINY_DENSE, TINY_MOE
 
 
 def _stream_and_gather(rank, world, cfg: ModelConfig, parallel: ParallelConfig):

@@ -85,7 +85,7 @@ class ModelConfig(_Section):
     moe_aux_loss_coeff: float = 1e-3
     # Megatron-Core's load-balancing loss: "aux_loss" per micro-batch and data-parallel rank
     # (its statistics over the TP x CP group), "seq_aux_loss" per sequence, "global_aux_loss"
-    # with the expert counts over the data-parallel group too (README: which layouts equal
+    # with the expert counts over the data-parallel group too (docs/loss.md: which layouts equal
     # one rank with each).
     moe_aux_loss_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = "aux_loss"
     mla: MLAConfig | None = None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_gspo.runtime.errors import InputError
+
 __all__ = ["ChatTemplate"]
 
 
@@ -47,7 +49,7 @@ class ChatTemplate:
         if not template and jinja.is_file():
             template = jinja.read_text()
         if not template:
-            raise ValueError(
+            raise InputError(
                 f"data.chat_template: {directory} has no chat template (tokenizer_config.json "
                 "'chat_template' or chat_template.jinja)"
             )

@@ -12,12 +12,14 @@ import json
 import logging
 from pathlib import Path
 
+from megatron_gspo.runtime.errors import InputError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DataError", "read_records"]
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A dataset that cannot be used; the message names the file and line or row."""
 
 

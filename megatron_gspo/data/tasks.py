@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 
 from megatron_gspo.data.tokenizer import CharTokenizer
+from megatron_gspo.runtime.errors import InputError
 
 ALPHABET = "0123456789="
 
@@ -40,13 +41,13 @@ class SyntheticTask:
     ) -> None:
         if name not in TASKS and name not in MULTI_TURN_TASKS:
             known = sorted([*TASKS, *MULTI_TURN_TASKS])
-            raise ValueError(f"data.task: unknown task {name!r}; known: {known}")
+            raise InputError(f"data.task: unknown task {name!r}; known: {known}")
         if not 1 <= min_len <= max_len:
-            raise ValueError(
+            raise InputError(
                 f"data.task_options: need 1 <= min_len <= max_len, got {min_len}, {max_len}"
             )
         if (turns is not None) != (name in MULTI_TURN_TASKS) or (turns is not None and turns < 1):
-            raise ValueError(
+            raise InputError(
                 f"data.task_options: turns (>= 1) is for {list(MULTI_TURN_TASKS)} only"
             )
         self.name, self.min_len, self.max_len, self.turns = name, min_len, max_len, turns

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from megatron_gspo.runtime.errors import InputError
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -35,7 +37,7 @@ class CharTokenizer:
         try:
             return [self._ids[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the alphabet") from None
+            raise InputError(f"character {e.args[0]!r} is not in the alphabet") from None
 
     def decode(self, ids: list[int]) -> str:
         # Ids outside the alphabet (a model's vocabulary may be larger) decode to "?" so that a
@@ -58,7 +60,7 @@ class SentencePieceTokenizer:
         bos = self._sp.bos_id()
         self.bos_id = bos if bos >= 0 else None
         if self.eos_id < 0:
-            raise ValueError(f"{path}: the sentencepiece model has no end-of-sequence piece")
+            raise InputError(f"{path}: the sentencepiece model has no end-of-sequence piece")
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -100,7 +102,7 @@ class HFTokenizer:
             for key, cands in names.items()
         }
         if found["eos"] is None:
-            raise ValueError(f"{path}: no end-of-sequence token found (tried {names['eos']})")
+            raise InputError(f"{path}: no end-of-sequence token found (tried {names['eos']})")
         return found["eos"], found["bos"]
 
     def encode(self, text: str) -> list[int]:
@@ -110,7 +112,7 @@ class HFTokenizer:
         """The text of one token as a chat template writes it (special tokens included)."""
         text = self._tok.id_to_token(token_id)
         if text is None:
-            raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+            raise InputError(f"token id {token_id} is not in the tokenizer's vocabulary")
         return text
 
     def decode(self, ids: list[int]) -> str:
@@ -128,4 +130,4 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             return HFTokenizer(path)
         return SentencePieceTokenizer(path)
     except (OSError, RuntimeError, ValueError) as e:
-        raise ValueError(f"{path}: cannot load the tokenizer: {e}") from None
+        raise InputError(f"{path}: cannot load the tokenizer: {e}") from None

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.rollout.protocol import Completion
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline"]
 
@@ -100,7 +101,7 @@ class OnPolicyRollouts:
 
     def restore(self, batches: list[dict[str, Any]]) -> None:
         if batches:
-            raise ValueError("this checkpoint holds queued rollouts: resume with max_staleness>=1")
+            raise InputError("this checkpoint holds queued rollouts: resume with max_staleness>=1")
 
     def close(self) -> None:
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from megatron_gspo.data.chat import ChatTemplate
 from megatron_gspo.data.tokenizer import Tokenizer
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["TurnRenderer", "chat_glue"]
 
@@ -33,13 +34,13 @@ def chat_glue(chat: ChatTemplate, role: str, stop_text: str) -> tuple[str, str]:
     )
     where = f"the chat template of {chat.where}"
     if not full.startswith(base) or _PROBE_ANSWER not in base:
-        raise ValueError(
+        raise InputError(
             f"{where} renders earlier messages differently once a {role!r} message follows; "
             "environment turns cannot be appended as ids"
         )
     after_answer = base[base.rindex(_PROBE_ANSWER) + 1 :]
     if not after_answer.startswith(stop_text):
-        raise ValueError(
+        raise InputError(
             f"{where} ends an assistant message with {after_answer!r}, not with the stop token "
             f"{stop_text!r} the model ends its turn with (rollout.stop_token_ids)"
         )
@@ -62,7 +63,7 @@ class TurnRenderer:
         self.before = self.after = ""
         if chat is not None:
             if stop_text is None:
-                raise ValueError("a chat template's turns need the stop token's text")
+                raise InputError("a chat template's turns need the stop token's text")
             self.before, self.after = chat_glue(chat, role, stop_text)
 
     def __call__(self, observation: str) -> list[int]:

@@ -29,13 +29,14 @@ from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.rewards import RewardComputer, RewardStats, overlong_penalty
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.model.routes import check_routes
+from megatron_gspo.runtime.errors import InputError, UserError
 from megatron_gspo.runtime.rank0 import on_rank0
 from megatron_gspo.trainer.packing import Sample
 
 __all__ = ["ScoringError", "Scorer", "checked_routes", "final_rewards"]
 
 
-class ScoringError(ValueError):
+class ScoringError(UserError, ValueError):
     """Too many samples of a step could not be scored; the message names the first failure."""
 
 
@@ -165,7 +166,7 @@ def checked_routes(e: Episode, prompt: Prompt, recipe: Recipe):
     if not recipe.wants_rollout_routes:
         return None
     if e.routes is None:
-        raise ValueError(
+        raise InputError(
             f"rollout.engine {recipe.rollout.engine!r} returned no expert routes, which "
             "train.routing_replay: rollout / rollout.return_routes need"
         )

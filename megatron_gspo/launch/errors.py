@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_gspo.runtime.errors import InputError
 
-class LaunchError(ValueError):
+
+class LaunchError(InputError):
     """The allocation cannot host the requested layout; the message says what to change."""

@@ -24,6 +24,7 @@ import click
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.model.counts import active_parameters, count_parameters
+from megatron_gspo.runtime.errors import InputError
 
 GIB = 1024**3
 
@@ -49,7 +50,7 @@ assumptions:
   rollout      a colocated vLLM's share: --rollout-gpu-fraction x GPU memory"""
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """The layout does not divide, or does not fit; the message says which and by how much."""
 
 

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megatron_gspo.parallel.context import cp_segment_positions
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["SegmentAttention"]
 
@@ -53,9 +54,9 @@ class SegmentAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if attention_dropout if attention_dropout is not None else config.attention_dropout:
-            raise ValueError("attention dropout is not supported without Transformer Engine")
+            raise InputError("attention dropout is not supported without Transformer Engine")
         if config.apply_query_key_layer_scaling:
-            raise ValueError("apply_query_key_layer_scaling is not supported here")
+            raise InputError("apply_query_key_layer_scaling is not supported here")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
@@ -77,7 +78,7 @@ class SegmentAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported without Transformer Engine")
+            raise InputError("attention_bias is not supported without Transformer Engine")
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params, cp_size, cp_rank)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.config import MLAConfig, ModelConfig, YarnScaling
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = [
     "HFConfigError",
@@ -38,7 +39,7 @@ _ARCHITECTURES = {
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
-class HFConfigError(ValueError):
+class HFConfigError(InputError):
     """A config.json we cannot convert; the message names the file and the key."""
 
 

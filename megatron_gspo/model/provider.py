@@ -13,6 +13,7 @@ from megatron_gspo.config import MemoryConfig, ModelConfig, ParallelConfig, Prec
 from megatron_gspo.model.aux_loss import guard_empty_microbatches
 from megatron_gspo.model.expert_bias import count_expert_tokens_without_padding
 from megatron_gspo.model.spec import decoder_block_spec, transformer_engine_available
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.extras import require_extra
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,9 +53,9 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
     for name, value, pname, pvalue in checks:
         if value % pvalue:
-            raise ValueError(f"model.{name}={value} is not divisible by parallel.{pname}={pvalue}")
+            raise InputError(f"model.{name}={value} is not divisible by parallel.{pname}={pvalue}")
     if model.is_moe and tp > 1 and not parallel.sequence_parallel:
-        raise ValueError(
+        raise InputError(
             "parallel.sequence_parallel must be true for MoE models with "
             "tensor_model_parallel_size > 1 (Megatron-Core requires it for MoE layers)"
         )

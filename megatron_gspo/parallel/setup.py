@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.parallel.platform import enable_cpu_platform
+from megatron_gspo.runtime.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def init_parallel(parallel: ParallelConfig) -> ParallelGroups:
     _init_default_group()
     world = dist.get_world_size()
     if world % parallel.model_parallel_size:
-        raise ValueError(
+        raise InputError(
             f"world size {world} is not divisible by tensor x pipeline x context parallel size "
             f"{parallel.model_parallel_size}"
         )

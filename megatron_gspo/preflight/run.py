@@ -21,13 +21,14 @@ from megatron_gspo.preflight.sizes import (
     fitting_layers,
     slice_recipe,
 )
+from megatron_gspo.runtime.errors import InputError
 
 # token_logprobs and the naive path compute the same fp32 log-softmax; they differ by fp32
 # summation order only.
 LOGPROBS_TOLERANCE = 1e-3
 
 
-class PreflightError(ValueError):
+class PreflightError(InputError):
     """Preflight cannot start here (a GPU size without a GPU)."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from megatron_gspo.config import ModelConfig, Recipe
 from megatron_gspo.launch.plan import GIB, plan_memory
 from megatron_gspo.model.counts import active_parameters, count_parameters
+from megatron_gspo.runtime.errors import InputError
 
 # The released config.json of Qwen/Qwen3-30B-A3B (recipes/qwen3-30b-a3b-gspo.yaml).
 QWEN3_30B_A3B_LAYERS = 48
@@ -158,7 +159,7 @@ def fitting_layers(size: Size) -> LayerChoice:
             break
         best = LayerChoice(layers, total / GIB, plan.capacity / GIB)
     if best is None:
-        raise ValueError(f"not one layer of the slice fits a {size.gpu.upper()}")
+        raise InputError(f"not one layer of the slice fits a {size.gpu.upper()}")
     return best
 
 

@@ -20,6 +20,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron_gspo.model.routes import RouteRecorder, route_dtype
 from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult
 from megatron_gspo.rollout.sampling import sample_tokens
+from megatron_gspo.runtime.errors import InputError
 
 
 class LocalEngine:
@@ -28,18 +29,18 @@ class LocalEngine:
     ):
         config = model.config
         if config.pipeline_model_parallel_size > 1:
-            raise ValueError(
+            raise InputError(
                 "the in-process engine needs parallel.pipeline_model_parallel_size=1; set "
                 "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"
             )
         if config.context_parallel_size > 1:
-            raise ValueError(
+            raise InputError(
                 "the in-process engine cannot decode with parallel.context_parallel_size > 1 "
                 "(each rank holds a share of every sequence); set rollout.local_worker: true "
                 "(a generation worker process) or rollout.engine: vllm"
             )
         if config.sequence_parallel:
-            raise ValueError(
+            raise InputError(
                 "the in-process engine does not support parallel.sequence_parallel (single-token "
                 "decode steps cannot be split over tensor-parallel ranks); set "
                 "rollout.local_worker: true (a generation worker process) or rollout.engine: vllm"

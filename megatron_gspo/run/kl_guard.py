@@ -29,6 +29,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from megatron_gspo.runtime.errors import UserError
+
 __all__ = ["METRIC", "RolloutKLGuard", "RolloutMismatchError"]
 
 METRIC = "rollout_sampler_kl"
@@ -36,7 +38,7 @@ METRIC = "rollout_sampler_kl"
 DRIFT = "rollout_kl_k3"
 
 
-class RolloutMismatchError(RuntimeError):
+class RolloutMismatchError(UserError, RuntimeError):
     """The sampler's distribution stayed too far from the trainer's; the message says which
     figure, engine and model, and what usually causes it."""
 

@@ -8,12 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.runtime.errors import InputError
+
 METRICS_FILE = "metrics.jsonl"
 
 log = logging.getLogger(__name__)
 
 
-class MetricsFileError(ValueError):
+class MetricsFileError(InputError):
     """A metrics file with a line that is not a JSON record; the message names file:line."""
 
 

@@ -14,11 +14,12 @@ from pydantic import ValidationError
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.model.hf_config import HFConfigError, model_config_from_hf
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["RecipeError", "load_recipe", "missing_inputs"]
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe file that cannot be used; the message names the file and the key."""
 
 

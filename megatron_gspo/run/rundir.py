@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron_gspo.run.checkpoint import LATEST
 from megatron_gspo.run.metrics import METRICS_FILE, parse_metrics
 from megatron_gspo.run.signals import PREEMPTED_MARKER
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 from megatron_gspo.weights.manifest import CheckpointError, verify
 
@@ -49,7 +50,7 @@ LOCK_FILE = ".lock"
 LAST_GOOD_OPTION = "--resume-from-last-good"
 
 
-class RunDirError(ValueError):
+class RunDirError(InputError):
     """A run directory that cannot be used as asked; the message says what is there."""
 
 

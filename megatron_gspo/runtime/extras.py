@@ -7,8 +7,10 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+from megatron_gspo.runtime.errors import UserError
 
-class MissingExtraError(ImportError):
+
+class MissingExtraError(UserError, ImportError):
     """A recipe needs an optional package that is not installed."""
 
 

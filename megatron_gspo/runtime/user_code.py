@@ -11,6 +11,8 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 
+from megatron_gspo.runtime.errors import InputError
+
 __all__ = ["check_kwargs", "resolve"]
 
 
@@ -21,7 +23,7 @@ def resolve(name: str, builtins: Mapping[str, Callable | str], *, key: str, what
         found = builtins[name]
         return found if callable(found) else resolve(found, {}, key=key, what=what)
     if ":" not in name:
-        raise ValueError(
+        raise InputError(
             f"{key}: unknown {what} {name!r}; use one of {sorted(builtins)} or "
             "'package.module:attr'"
         )
@@ -29,9 +31,9 @@ def resolve(name: str, builtins: Mapping[str, Callable | str], *, key: str, what
     try:
         found = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}: cannot import {name!r}: {e}") from None
+        raise InputError(f"{key}: cannot import {name!r}: {e}") from None
     if not callable(found):
-        raise ValueError(f"{key}: {name!r} is not callable")
+        raise InputError(f"{key}: {name!r} is not callable")
     return found
 
 
@@ -41,6 +43,6 @@ def check_kwargs(fn: Callable, name: str, kwargs: dict, *, key: str, args: tuple
     try:
         inspect.signature(fn).bind(*args, **kwargs)
     except TypeError as e:
-        raise ValueError(f"{key}: {name} cannot take kwargs {sorted(kwargs)}: {e}") from None
+        raise InputError(f"{key}: {name} cannot take kwargs {sorted(kwargs)}: {e}") from None
     except ValueError:  # no signature to read (a builtin): its calls will tell
         pass

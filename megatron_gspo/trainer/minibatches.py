@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron_gspo.config import Recipe
 from megatron_gspo.parallel import ParallelGroups
 from megatron_gspo.parallel.context import split_microbatch
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.trainer.packing import (
     MicroBatch,
     Sample,
@@ -69,7 +70,7 @@ class StepPlanner:
         parts = train.mini_batches if mini_batches is None else mini_batches
         n = len(samples)
         if n < parts:
-            raise ValueError(f"{n} samples cannot be split into train.mini_batches={parts}")
+            raise InputError(f"{n} samples cannot be split into train.mini_batches={parts}")
         bounds = [round(k * n / parts) for k in range(parts + 1)]
         plans = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):

@@ -30,6 +30,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_gspo.model.routes import filler_routes
+from megatron_gspo.runtime.errors import InputError
 
 
 @dataclass
@@ -170,7 +171,7 @@ def pack_bins(lengths: list[int], indices: list[int], token_budget: int) -> list
     loads: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         if lengths[i] > token_budget:
-            raise ValueError(
+            raise InputError(
                 f"a sequence of {lengths[i]} tokens exceeds train.micro_batch_tokens "
                 f"({token_budget}); raise the budget or lower rollout.max_new_tokens"
             )

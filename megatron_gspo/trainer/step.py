@@ -23,7 +23,6 @@ layout, while the aux loss keeps Megatron's own mean.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -31,14 +30,14 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import LossConfig
-from megatron_gspo.loss import PackedSequences, PaddedSequences, get_policy_loss, token_logprobs
+from megatron_gspo.loss import get_policy_loss, token_logprobs
 from megatron_gspo.loss.kl import reference_kl
-from megatron_gspo.loss.off_policy import Correction, CorrectionStats, importance_weights
 from megatron_gspo.model.router_stats import set_replay
 from megatron_gspo.model.routes import routes_for_routers
+from megatron_gspo.runtime.errors import InputError
+from megatron_gspo.trainer.correction import apply_correction, correction_of
 from megatron_gspo.trainer.metrics import (
     MISMATCH,
-    correction_metrics,
     reduce_reports,
     reports_metrics,
     router_metrics,
@@ -73,15 +72,7 @@ class GSPOTrainer:
         # Ids past the tokenizer's vocabulary are Megatron's padding: never scored.
         self.vocab_size = self.recipe.model.vocab_size
         self.loss_fn = get_policy_loss(self.loss_name)
-        c = self.recipe.train.off_policy_correction
-        self.correction = Correction(
-            mode=c.mode,
-            level=c.level,
-            cap=c.tis_cap,
-            low=c.mis_low,
-            high=c.mis_high,
-            max_log_ratio=self.recipe.loss.max_log_ratio,
-        )
+        self.correction = correction_of(self.recipe)
         # Per-token weights need per-token advantages: GSPO takes them in its token form,
         # which with A_{i,t} = A_i w_t is GSPO with each token's gradient weighted.
         token_name = "gspo_token" if self.loss_name == "gspo" else self.loss_name
@@ -232,59 +223,9 @@ class GSPOTrainer:
     def apply_off_policy_correction(
         self, plans: list[MiniBatchPlan]
     ) -> tuple[list[MiniBatchPlan], dict[str, float]]:
-        """Weigh (TIS) or mask (MIS) units by pi_old / pi_behaviour; recount what is trained.
-
-        Runs after the old log-prob pass, on the last pipeline stage (the only one with old
-        log-probs and a loss). Each mini-batch's sequence count becomes the number of
-        sequences with a token left to train on, summed over the world.
-        """
-        stats = CorrectionStats()
-        counts = torch.zeros(len(plans), dtype=torch.float64)
-        if parallel_state.is_pipeline_last_stage():
-            for p_idx, plan in enumerate(plans):
-                for mb in plan.microbatches:
-                    if mb.num_sequences == 0:
-                        continue
-                    if mb.behaviour_logprobs is None:
-                        raise ValueError(
-                            "train.off_policy_correction needs log-probs from the rollout engine"
-                        )
-                    trained, unit_stats = self._correct(mb)
-                    if reports_metrics():
-                        counts[p_idx] += trained
-                        stats.add(unit_stats)
-        dist.all_reduce(counts)
-        plans = [
-            replace(p, num_sequences=int(n)) for p, n in zip(plans, counts.tolist(), strict=True)
-        ]
-        return plans, correction_metrics(stats)
-
-    def _correct(self, mb: MicroBatch) -> tuple[int, CorrectionStats]:
-        region = mb.region
-        if mb.packed:
-            layout = PackedSequences(mb.cu_seqlens, int(mb.cu_seqlens[-1]))
-        else:
-            layout = PaddedSequences(*mb.loss_mask.shape)
-        weights, keep, stats = importance_weights(
-            mb.old_logprobs[region],
-            mb.behaviour_logprobs[region],
-            mb.loss_mask[region],
-            layout,
-            self.correction,
-            cp_group=self.groups.cp,
-        )
-        mb.loss_mask = mb.loss_mask.clone()
-        mb.loss_mask[region] = keep
-        token_adv = torch.zeros_like(mb.loss_mask)
-        base = mb.token_advantages
-        token_adv[region] = (
-            layout.to_tokens(mb.advantages) if base is None else base[region]
-        ) * weights
-        mb.token_advantages = token_adv
-        kept = layout.seq_sum(keep)
-        if self.cp_size > 1:
-            dist.all_reduce(kept, group=self.groups.cp)
-        return int((kept > 0).sum()), stats
+        """Weigh (TIS) or mask (MIS) units by pi_old / pi_behaviour; recount what is trained
+        (:mod:`megatron_gspo.trainer.correction`)."""
+        return apply_correction(plans, self.correction, self.groups.cp)
 
     def _router_routes(self, mb: MicroBatch) -> list[torch.Tensor] | None:
         """The micro-batch's rollout routes as this stage's routers see its tokens (filler
@@ -433,7 +374,7 @@ class GSPOTrainer:
         ``version``: the weights version the policy holds (tells on-policy samples)."""
         from_rollout = self.recipe.train.old_logprobs == "rollout"
         if from_rollout and any(s.rollout_logprobs is None for s in samples):
-            raise ValueError("train.old_logprobs=rollout needs log-probs from the rollout engine")
+            raise InputError("train.old_logprobs=rollout needs log-probs from the rollout engine")
         # Micro-batches carry the rollout's log-probs as old ones until recomputed.
         plans = self.plan(samples)
         metrics: dict[str, float] = {}
@@ -457,7 +398,7 @@ class GSPOTrainer:
             for k, v in self.train_minibatch(p_idx, plan).items():
                 per_mini[k].append(v)
         if not per_mini:
-            raise ValueError(
+            raise InputError(
                 "the off-policy correction masked every sequence of the batch; widen "
                 "train.off_policy_correction's band or check the rollout engine's log-probs"
             )

@@ -35,6 +35,7 @@ from megatron_gspo.model.hf_config import (
     load_hf_config,
     model_config_from_hf,
 )
+from megatron_gspo.runtime.errors import InputError, UserError
 from megatron_gspo.weights.hf import HFMapping
 from megatron_gspo.weights.safetensors_io import (
     HFCheckpointReader,
@@ -64,7 +65,7 @@ _TOKENIZER_FILES = (
 )
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError):
     """Input that cannot be converted; the message names the file, key or tensor."""
 
 
@@ -409,16 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_size=parse_size(args.max_shard_size),
                 progress=not args.no_progress,
             )
-    except Exception as e:  # noqa: BLE001 - the command line's boundary: one line, no traceback
+    except UserError as e:  # the command line's boundary: one line, no traceback
         from megatron_gspo.runtime.errors import debug_enabled
 
         if debug_enabled():
             traceback.print_exception(e)
-        if isinstance(e, ConversionError):
-            print(f"Error: {e}", file=sys.stderr)
-        else:
-            first = (str(e).splitlines() or [""])[0][:500]
-            print(f"Error: {args.src}: {type(e).__name__}: {first}", file=sys.stderr)
+        print(f"Error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0

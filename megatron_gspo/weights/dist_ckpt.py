@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from megatron_gspo.config import ModelConfig, ParallelConfig
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.weights.shards import VOCAB_TENSORS
 
 __all__ = [
@@ -208,7 +209,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         chunk = entry.region(self._full(entry.name))
         chunk = chunk.reshape((1,) * entry.item.prepend_axis_num + tuple(chunk.shape))
         if chunk.dtype != entry.item.dtype:
-            raise ValueError(
+            raise InputError(
                 f"{entry.name}: tensor dtype {chunk.dtype} does not match the model's "
                 f"{entry.item.dtype}"
             )

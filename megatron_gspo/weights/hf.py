@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = [
     "HFMapping",
@@ -310,7 +311,7 @@ class HFMapping:
             raise KeyError(f"no Hugging Face counterpart for Megatron tensor {megatron_name!r}")
         expected = self.megatron_shapes[megatron_name]
         if tuple(tensor.shape) != expected:
-            raise ValueError(
+            raise InputError(
                 f"Megatron tensor {megatron_name!r} has shape {tuple(tensor.shape)}, "
                 f"the config says {expected}"
             )

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_gspo.runtime.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or used; the message names the file."""
 
 

@@ -11,9 +11,10 @@ from typing import Any
 import yaml
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.runtime.errors import InputError
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(InputError):
     """A checkpoint written for another model than the recipe's."""
 
 

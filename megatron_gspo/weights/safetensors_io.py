@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.weights.hf import fused_expert_source
 
 __all__ = [
@@ -51,7 +52,7 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(InputError):
     """A safetensors checkpoint that cannot be read; the message names the file."""
 
 

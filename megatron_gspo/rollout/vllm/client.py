@@ -48,6 +48,7 @@ import numpy as np
 
 from megatron_gspo.config import VLLMConfig
 from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult, SamplingParams
+from megatron_gspo.runtime.errors import InputError, UserError
 
 __all__ = [
     "URLS_ENV",
@@ -62,11 +63,11 @@ __all__ = [
 URLS_ENV = "MEGATRON_GSPO_VLLM_URLS"
 
 
-class VLLMUnavailableError(RuntimeError):
+class VLLMUnavailableError(UserError, RuntimeError):
     """A vLLM server could not be reached (or kept failing); the message names its URL."""
 
 
-class VLLMRequestError(RuntimeError):
+class VLLMRequestError(UserError, RuntimeError):
     """A vLLM server refused a request (4xx) or answered something unexpected."""
 
 
@@ -79,7 +80,7 @@ def resolve_urls(config: VLLMConfig) -> list[str]:
     env = os.environ.get(URLS_ENV, "")
     urls = [u.strip() for u in env.split(",") if u.strip()] or list(config.urls)
     if not urls:
-        raise ValueError(f"rollout.vllm.urls is empty and ${URLS_ENV} is not set")
+        raise InputError(f"rollout.vllm.urls is empty and ${URLS_ENV} is not set")
     return [u.rstrip("/") for u in urls]
 
 

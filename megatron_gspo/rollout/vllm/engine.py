@@ -30,6 +30,7 @@ from megatron_gspo.rollout.vllm.client import (
     wait_until_healthy,
 )
 from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["VLLMEngine"]
 
@@ -193,7 +194,7 @@ class VLLMEngine:
         if self._sync is None:
             if self.config.weight_sync == "disk":
                 if self.config.sync_dir is None:
-                    raise ValueError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
+                    raise InputError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
                 self._sync = DiskSync(self.client, self.model_config, self.config.sync_dir)
             else:
                 self._sync = CollectiveSync(

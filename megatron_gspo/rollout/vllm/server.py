@@ -29,6 +29,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from megatron_gspo.rollout.vllm.auth import KEY_ENV as SERVER_KEY_ENV
+from megatron_gspo.runtime.errors import InputError
 
 __all__ = ["JOB_KEY_ENV", "new_job_key", "server_command", "server_env"]
 
@@ -83,7 +84,7 @@ def server_env(
     return_routes: bool = False,
 ) -> dict[str, str]:
     if not key:
-        raise ValueError(f"a vLLM server for weight sync needs the job key (${JOB_KEY_ENV})")
+        raise InputError(f"a vLLM server for weight sync needs the job key (${JOB_KEY_ENV})")
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_SERVER_DEV_MODE": "1", SERVER_KEY_ENV: key})
     if cpu is None:
@@ -92,7 +93,7 @@ def server_env(
         cpu = not torch.cuda.is_available()
     if return_routes:
         if cpu:
-            raise ValueError(
+            raise InputError(
                 "vLLM returns each token's experts (rollout.return_routes, train."
                 "routing_replay: rollout) only from its V2 model runner, which needs Triton on "
                 "a GPU; its CPU build refuses --enable-return-routed-experts. On a CPU use "

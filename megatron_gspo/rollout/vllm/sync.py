@@ -47,13 +47,14 @@ from megatron_gspo.rollout.vllm.transport import (
     plan_manifest,
     view,
 )
+from megatron_gspo.runtime.errors import UserError
 
 __all__ = ["CollectiveSync", "DiskSync", "SyncReport", "check_manifest", "sync_host"]
 
 log = logging.getLogger(__name__)
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(UserError, RuntimeError):
     """A weight sync failed; the message names the server and what was being sent."""
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.runtime.errors import InputError
+
 __all__ = [
     "DTYPES",
     "Manifest",
@@ -52,7 +54,7 @@ ALIGN = 256
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
-        raise ValueError(f"weight sync supports {sorted(DTYPES)}, not {name}")
+        raise InputError(f"weight sync supports {sorted(DTYPES)}, not {name}")
     return name
 
 

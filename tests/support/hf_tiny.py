@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 TOKENS_SHAPE = (2, 16)
 VOCAB = 128
@@ -146,3 +147,12 @@ def tokens(seed: int = 0) -> torch.Tensor:
 def hf_logits(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=toks).logits.float()
+
+
+def read_hf_dir(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                out[k] = st.get_tensor(k)
+    return out

@@ -3,7 +3,7 @@ by vLLM's CPU build then computes another model than the trainer (vLLM 0.32's CP
 misreads MLA's query layout; :mod:`megatron_gspo.rollout.vllm.cpu_rope`). For the test that
 ``rollout.max_rollout_kl`` stops such a run (test_rollout_vllm_deepseek.py).
 
-    --worker-extension-cls tests.unfixed_mla.UnfixedExtension
+    --worker-extension-cls tests.support.unfixed_mla.UnfixedExtension
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import random
 
 from megatron_gspo.config import Recipe
 from megatron_gspo.trainer.packing import Sample
-from tests.tiny import TINY_MOE
+from tests.support.tiny import TINY_MOE
 
 
 def rollout_batch(

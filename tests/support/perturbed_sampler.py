@@ -1,7 +1,7 @@
 """``megatron-gspo`` whose generation worker samples from perturbed weights: a sampler that
 disagrees with its trainer, for the tests of ``rollout.max_rollout_kl`` (test_kl_guard.py).
 
-    PERTURB_VERSIONS=all|V[,V...] python -m tests.perturbed_sampler train RECIPE ...
+    PERTURB_VERSIONS=all|V[,V...] python -m tests.support.perturbed_sampler train RECIPE ...
 
 The recipe must use the generation worker (``rollout.local_worker: true``). Each weights
 snapshot the trainer sends it (version V: the weights after V updates, which step V + 1 samples
