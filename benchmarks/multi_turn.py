@@ -113,7 +113,7 @@ def main() -> None:
     from megatron_gspo.data.prompts import Prompt
     from megatron_gspo.episodes.concurrent import ConcurrentRunner
     from megatron_gspo.episodes.environment import EnvironmentPool
-    from megatron_gspo.episodes.runner import EpisodeRunner
+    from megatron_gspo.episodes.runner import EpisodeRunner, EpisodeSetup
     from megatron_gspo.rollout.protocol import SamplingParams
     from megatron_gspo.rollout.vllm.client import VLLMClient
     from megatron_gspo.rollout.vllm.local_server import (
@@ -155,15 +155,17 @@ def main() -> None:
     envs.start()
     with served(model_dir, extra) as (url, key):
         client = VLLMClient([url], api_key=key, request_timeout_s=300, max_concurrent_requests=512)
-        common = dict(
+        setup = EpisodeSetup(
+            multi_turn=True,
+            max_turns=max_turns,
             max_seq_length=cfg.max_seq_length,
             envs=envs,
             render=lambda text: [5, 6, 7],
             decode=lambda ids: "",
         )
-        lockstep = EpisodeRunner(client.generate, multi_turn=True, max_turns=max_turns, **common)
+        lockstep = EpisodeRunner(client.generate, setup)
         concurrent = ConcurrentRunner(
-            client, lambda: {url: None}, max_inflight=args.episodes, max_turns=max_turns, **common
+            client, lambda: {url: None}, setup, max_inflight=args.episodes
         )
         concurrent.run(prompts[:4], params)  # warm the server
         rates: dict[str, list[float]] = {"lockstep": [], "concurrent": []}

@@ -154,3 +154,28 @@ def test_distributed_optimizer_resumes_bit_exactly_on_the_same_layout(tmp_path):
     wa = run_distributed(run_weights, 2, straight, 4)[0]
     wb = run_distributed(run_weights, 2, split, 4)[0]
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resume"
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_a_checkpoint_written_before_the_package_moved_resumes(tmp_path):
+    """Checkpoints name no module of the project (no pickled classes: tensors, numbers and
+    JSON), so a run written by the flat layout of earlier releases resumes with this one,
+    its queued rollout batch included (tests/fixtures/README.md says how it was written)."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "pre-layers-run", run)
+    recipe = run / "recipe-as-run.yaml"
+    cmd = [sys.executable, "-m", "megatron_gspo", "train", str(recipe), "--output-dir", str(run)]
+    proc = subprocess.run([*cmd, "--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "at step 2" in proc.stderr, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # Step 3 trains the batch the old run had queued: sampled by the weights of step 1.
+    assert records[-1]["staleness_max"] == 1
+    assert (run / "checkpoints" / "iter_0000003").is_dir()

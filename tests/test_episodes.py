@@ -17,7 +17,7 @@ from megatron_gspo.data.tasks import SyntheticTask
 from megatron_gspo.episodes.environment import EnvironmentPool, check_environment
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.render import TurnRenderer
-from megatron_gspo.episodes.runner import EpisodeRunner
+from megatron_gspo.episodes.runner import EpisodeRunner, EpisodeSetup
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.rollout.protocol import (
     Completion,
@@ -81,9 +81,8 @@ def relay():
     pool.close()
 
 
-def runner(generate, envs, **kw) -> EpisodeRunner:
-    return EpisodeRunner(
-        generate,
+def setup(envs, **kw) -> EpisodeSetup:
+    return EpisodeSetup(
         multi_turn=True,
         max_turns=kw.pop("max_turns", 3),
         max_seq_length=kw.pop("max_seq_length", 64),
@@ -92,6 +91,10 @@ def runner(generate, envs, **kw) -> EpisodeRunner:
         render=TOK.encode,
         decode=TOK.decode,
     )
+
+
+def runner(generate, envs, **kw) -> EpisodeRunner:
+    return EpisodeRunner(generate, setup(envs, **kw))
 
 
 def test_a_policy_that_reads_observations_completes_every_turn(relay):
@@ -154,7 +157,7 @@ def test_episodes_end_at_the_turn_limit_the_budget_or_a_cut_turn(relay):
 
 def test_single_turn_is_the_engines_completions_as_they_are():
     generate, _ = copying_policy()
-    r = EpisodeRunner(generate, multi_turn=False, max_seq_length=64)
+    r = EpisodeRunner(generate, EpisodeSetup(multi_turn=False, max_seq_length=64))
     groups = r.run(prompts(), PARAMS)
     e = groups[1][1]
     assert e.mask == [1] * len(e.token_ids) and e.num_turns == 1 and e.turn_rewards == []
@@ -401,14 +404,7 @@ def test_concurrent_episodes_follow_the_same_rules_and_bound_what_is_in_flight(r
 
     servers = FakeServers()
     concurrent = ConcurrentRunner(
-        servers,
-        lambda: {url: 7 for url in servers.urls},
-        max_inflight=2,
-        max_turns=3,
-        max_seq_length=64,
-        envs=relay,
-        render=TOK.encode,
-        decode=TOK.decode,
+        servers, lambda: {url: 7 for url in servers.urls}, setup(relay), max_inflight=2
     )
     ps = prompts(4)
     groups = concurrent.run(ps, PARAMS)
@@ -421,7 +417,7 @@ def test_concurrent_episodes_follow_the_same_rules_and_bound_what_is_in_flight(r
         assert got.versions == [7, 7, 7]
     assert concurrent.stats["episodes_in_flight_max"] == 4  # 2 per server
     assert servers.most <= 2
-    # Seeds: episode k samples turn t with turn_seed(seed, t) + k.
+    # Seeds: episode k samples turn t with episode_turn_seed(seed, t, k) = turn_seed(...) + k.
     seeds = sorted({c.params.seed for c in servers.calls})
     assert PARAMS.seed in seeds and PARAMS.seed + 7 in seeds
 
@@ -435,14 +431,7 @@ def test_concurrent_episodes_end_alone_on_a_failing_environment():
     servers = FakeServers()
     try:
         groups = ConcurrentRunner(
-            servers,
-            lambda: {url: None for url in servers.urls},
-            max_inflight=8,
-            max_turns=3,
-            max_seq_length=64,
-            envs=pool,
-            render=TOK.encode,
-            decode=TOK.decode,
+            servers, lambda: {url: None for url in servers.urls}, setup(pool), max_inflight=8
         ).run(prompts(2), PARAMS)
     finally:
         pool.close()

@@ -114,9 +114,13 @@ def test_a_deepseek_served_without_the_rotary_correction_is_stopped(
     served model's error, one step off-policy the probe after each sync does."""
     from megatron_gspo.config import RolloutConfig
 
+    # Weights large enough that attention depends on positions, as a trained model's does:
+    # at the initializer's 0.02 every score is near 0 and wrong positions change nothing
+    # (measured: 1e-7 with the bug, 0.65-1.06 at 0.5).
+    model = {**VLLM_TINY_DEEPSEEK.model_dump(), "init_method_std": 0.5}
     data = loop_recipe(
         tmp_path / "run",
-        model=VLLM_TINY_DEEPSEEK.model_dump(),
+        model=model,
         rollout={
             "engine": "vllm",
             "max_staleness": staleness,

@@ -11,6 +11,7 @@ from megatron_gspo.data.chat import ChatTemplate
 from megatron_gspo.data.records import DataError, read_records
 from megatron_gspo.data.tasks import SyntheticTask
 from megatron_gspo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_gspo.runtime.seeds import shuffle_seed
 
 __all__ = ["DataError", "Prompt", "PromptStream"]
 
@@ -74,7 +75,7 @@ class PromptStream:
         epoch, offset = divmod(index, n)
         order = list(range(n))
         if self.shuffle:
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            random.Random(shuffle_seed(self.seed, epoch)).shuffle(order)
         return self._records[order[offset]]
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from megatron_gspo.data.tokenizer import CharTokenizer
 from megatron_gspo.runtime.errors import InputError
+from megatron_gspo.runtime.seeds import example_seed
 
 ALPHABET = "0123456789="
 
@@ -55,7 +56,7 @@ class SyntheticTask:
 
     def example(self, index: int, seed: int) -> dict[str, str]:
         """The ``index``-th example of the stream for ``seed``: a pure function of both."""
-        rng = random.Random(f"{self.name}:{seed}:{index}")
+        rng = random.Random(example_seed(self.name, seed, index))
         if self.turns is not None:
             parts = [_digits(rng, self.min_len, self.max_len) for _ in range(self.turns)]
             return {"prompt": f"{parts[0]}=", "answer": "|".join(parts)}

@@ -11,7 +11,8 @@ are awaited as futures. At most ``rollout.vllm.max_inflight`` episodes of one se
 flight at a time; a group's episodes go to one server, which reads their shared prompt once.
 
 Seeds: episode ``k`` (of the batch, group by group) samples its turn ``t`` with
-``turn_seed(seed, t) + k``; its first turn is the sample lock-step's first request gives it.
+``episode_turn_seed(seed, t, k)`` (:mod:`megatron_gspo.runtime.seeds`); its first turn is the
+sample lock-step's first request gives it.
 Every turn is stamped with the weights version its server held: the engine syncs only between
 batches, with nothing in flight, so the turns of one episode share one version.
 """
@@ -24,50 +25,39 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_gspo.data.prompts import Prompt
-from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.runner import (
+    EpisodeSetup,
     Held,
-    Limits,
     Verdict,
     after_reset,
     apply_verdict,
-    turn_seed,
     verdict,
 )
 from megatron_gspo.rollout.protocol import SamplingParams
+from megatron_gspo.runtime.seeds import episode_turn_seed
 
 __all__ = ["ConcurrentRunner"]
 
 
 class ConcurrentRunner:
-    """Runs episodes on rank 0 against vLLM servers, each on its own.
-
-    ``client`` is the engine's :class:`~megatron_gspo.rollout.vllm.client.VLLMClient`;
-    ``versions()`` checks every server's weights version and returns them by URL.
-    """
+    """Runs episodes on rank 0 against an engine whose episodes can each advance on their own
+    (``capabilities.concurrent_episodes``: the vLLM engine): ``client`` requests one turn at a
+    time (the engine's), ``versions()`` checks every server's weights version and returns them
+    by URL (the engine's ``check_versions``). ``setup`` holds the environment: this runs where
+    it does."""
 
     def __init__(
         self,
         client,
         versions: Callable[[], dict[str, Any]],
+        setup: EpisodeSetup,
         *,
         max_inflight: int,
-        max_turns: int,
-        max_seq_length: int,
-        end_on_cut_turn: bool = True,
-        envs: EnvironmentPool,
-        render: Callable[[str], list[int]],
-        decode: Callable[[list[int]], str],
     ) -> None:
+        assert setup.envs is not None and setup.render is not None and setup.decode is not None
         self.client, self.versions = client, versions
-        self.max_inflight, self.max_turns, self.max_seq_length = (
-            max_inflight,
-            max_turns,
-            max_seq_length,
-        )
-        self.end_on_cut_turn = end_on_cut_turn
-        self.envs, self.render, self.decode = envs, render, decode
+        self.setup, self.max_inflight = setup, max_inflight
         self.stats: dict[str, float] = {}
 
     def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
@@ -95,9 +85,7 @@ class ConcurrentRunner:
 
     async def _episode(self, http, k: int, prompt: Prompt, params, gates, versions) -> Episode:
         url = self.client.server_for(k // params.group_size)
-        limits = Limits(
-            self.max_turns, self.max_seq_length, params.max_new_tokens, self.end_on_cut_turn
-        )
+        limits = self.setup.limits(params.max_new_tokens)
         async with gates[url]:
             self._in_flight += 1
             self._most = max(self._most, self._in_flight)
@@ -107,11 +95,11 @@ class ConcurrentRunner:
                 self._in_flight -= 1
 
     async def _turns(self, http, url, k, prompt, params, limits, version) -> Episode:
-        e = Episode()
-        reset = asyncio.wrap_future(self.envs.reset(prompt.text, prompt.answer))
+        e, envs = Episode(), self.setup.envs
+        reset = asyncio.wrap_future(envs.reset(prompt.text, prompt.answer))
         state: Held | Verdict | None = None
-        for turn in range(self.max_turns):
-            sampling = replace(params, group_size=1, seed=turn_seed(params.seed, turn) + k)
+        for turn in range(self.setup.max_turns):
+            sampling = replace(params, group_size=1, seed=episode_turn_seed(params.seed, turn, k))
             [c] = await self.client.complete(
                 http, url, prompt.token_ids + e.token_ids, sampling, sampling.seed
             )
@@ -122,9 +110,9 @@ class ConcurrentRunner:
             if isinstance(state, Verdict):
                 v = state
             else:
-                action = self.decode(e.turn_tokens(turn))
-                outcome = await asyncio.wrap_future(self.envs.step(state.state, action))
-                v = verdict(outcome, self.render)
+                action = self.setup.decode(e.turn_tokens(turn))
+                outcome = await asyncio.wrap_future(envs.step(state.state, action))
+                v = verdict(outcome, self.setup.render)
                 if outcome.ok:
                     state = Held(outcome.value.state)
             if not apply_verdict(e, len(prompt.token_ids), c, v, turn, limits):

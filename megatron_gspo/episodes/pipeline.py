@@ -37,6 +37,7 @@ from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.rollout.protocol import Completion
 from megatron_gspo.runtime.errors import InputError
+from megatron_gspo.runtime.rank0 import on_rank0
 
 __all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline"]
 
@@ -161,8 +162,8 @@ class RolloutPipeline:
 
     def take(self, step: int, current_version: int) -> Batch:
         """The batch for ``step``, on every rank (collective), no staler than allowed."""
-        box: list[Any] = [None]
-        if self.rank0:
+
+        def next_batch() -> Batch:
             try:
                 batch = self.queue.popleft().result()
                 while _staleness(batch, current_version) > self.capacity:
@@ -172,16 +173,11 @@ class RolloutPipeline:
                     batch = self._start(batch.step, batch.prompts).result()
                 if batch.step != step:
                     raise RuntimeError(f"rollout queue out of order: batch {batch.step} at {step}")
-                box[0] = ("ok", batch)
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                box[0] = ("error", e)
-            self._fill()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            raise value if self.rank0 else RuntimeError(f"(on rank 0) {value}")
-        return value
+                return batch
+            finally:
+                self._fill()
+
+        return on_rank0(next_batch)
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -35,16 +35,17 @@ from megatron_gspo.rollout.protocol import (
     RolloutResult,
     SamplingParams,
 )
+from megatron_gspo.runtime.seeds import turn_seed
 from megatron_gspo.runtime.workers import Outcome
 
 __all__ = [
     "EpisodeRunner",
+    "EpisodeSetup",
     "Held",
     "Limits",
     "Verdict",
     "after_reset",
     "apply_verdict",
-    "turn_seed",
     "verdict",
 ]
 
@@ -53,11 +54,6 @@ T = TypeVar("T")
 
 def _alone(fn: Callable[[], T]) -> T:
     return fn()
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of model turn ``turn`` (0-based) of a step whose seed is ``seed``."""
-    return seed if turn == 0 else (seed * 1_000_033 + turn * 7_919) % 2**62
 
 
 @dataclass(frozen=True)
@@ -79,34 +75,42 @@ class Held:
     state: Any
 
 
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What every runner goes by besides its engine: the rules that end an episode, and, where
+    the environment runs (global rank 0; None elsewhere), its worker pool and the codec between
+    turns and ids (``render`` an observation as ids, ``decode`` a model turn as text)."""
+
+    multi_turn: bool = False
+    max_turns: int = 1
+    max_seq_length: int = 2**31
+    # Whether a model turn cut at max_new_tokens ends its episode (rollout.multi_turn).
+    end_on_cut_turn: bool = True
+    envs: EnvironmentPool | None = None
+    render: Callable[[str], list[int]] | None = None
+    decode: Callable[[list[int]], str] | None = None
+
+    def limits(self, max_new_tokens: int) -> Limits:
+        return Limits(self.max_turns, self.max_seq_length, max_new_tokens, self.end_on_cut_turn)
+
+
 class EpisodeRunner:
     """Runs a batch of episodes through ``generate`` (an engine's ``generate`` or
     ``generate_rank0``) and the environment.
 
-    ``envs`` and ``render`` exist where the environment runs (global rank 0); elsewhere they are
-    None and ``share(fn)`` brings rank 0's ``fn()`` (a collective). Where rank 0 alone runs the
-    episodes (asynchronous rollouts), ``share`` just calls ``fn``.
+    Where the environment does not run (``setup.envs`` None), ``share(fn)`` brings rank 0's
+    ``fn()`` (a collective). Where rank 0 alone runs the episodes (asynchronous rollouts),
+    ``share`` just calls ``fn``.
     """
 
     def __init__(
         self,
         generate: Callable[[RolloutRequest], RolloutResult],
+        setup: EpisodeSetup,
         *,
-        multi_turn: bool,
-        max_turns: int = 1,
-        max_seq_length: int,
-        end_on_cut_turn: bool = True,
-        envs: EnvironmentPool | None = None,
-        render: Callable[[str], list[int]] | None = None,
-        decode: Callable[[list[int]], str] | None = None,
         share: Callable[[Callable[[], Any]], Any] = _alone,
     ) -> None:
-        self.generate = generate
-        self.multi_turn = multi_turn
-        self.max_turns = max_turns
-        self.max_seq_length = max_seq_length
-        self.end_on_cut_turn = end_on_cut_turn
-        self.envs, self.render, self.decode, self.share = envs, render, decode, share
+        self.generate, self.setup, self.share = generate, setup, share
         self.stats: dict[str, float] = {}
 
     def run(self, prompts: list[Prompt], params: SamplingParams) -> list[list[Episode]]:
@@ -114,18 +118,19 @@ class EpisodeRunner:
         if not prompts:
             return []
         ids = [p.token_ids for p in prompts]
-        if not self.multi_turn:
+        if not self.setup.multi_turn:
             return single_turn(self.generate(RolloutRequest(ids, params)))
         g = params.group_size
         owners = [p for p in prompts for _ in range(g)]
         states: list[Any] = []
-        if self.envs is not None:  # the resets overlap the first turn's generation
-            states = [self.envs.reset(p.text, p.answer) for p in owners]
+        envs = self.setup.envs
+        if envs is not None:  # the resets overlap the first turn's generation
+            states = [envs.reset(p.text, p.answer) for p in owners]
         first = self.generate(RolloutRequest(ids, params)).completions
         episodes = [Episode() for _ in owners]
         turns = [c for group in first for c in group]
         live = list(range(len(episodes)))
-        for turn in range(self.max_turns):
+        for turn in range(self.setup.max_turns):
             for i, c in zip(live, turns, strict=True):
                 episodes[i].add_model_turn(c)
             verdicts = self.share(lambda live=live: self._step(episodes, live, states))
@@ -144,20 +149,21 @@ class EpisodeRunner:
 
         ``states[i]`` is episode ``i``'s pending reset (a future), its environment state, or
         the verdict of its failed reset."""
-        assert self.envs is not None and self.decode is not None and self.render is not None
+        envs, decode, render = self.setup.envs, self.setup.decode, self.setup.render
+        assert envs is not None and decode is not None and render is not None
         futures: dict[int, Future] = {}
         for i in live:
             if isinstance(states[i], Future):
                 states[i] = after_reset(states[i].result())
             if isinstance(states[i], Held):
-                action = self.decode(episodes[i].turn_tokens(episodes[i].num_turns - 1))
-                futures[i] = self.envs.step(states[i].state, action)
+                action = decode(episodes[i].turn_tokens(episodes[i].num_turns - 1))
+                futures[i] = envs.step(states[i].state, action)
         verdicts = []
         for i in live:
             if i not in futures:
                 verdicts.append(states[i])
                 continue
-            verdicts.append(verdict(futures[i].result(), self.render))
+            verdicts.append(verdict(futures[i].result(), render))
             if verdicts[-1].status == "ok":
                 states[i] = Held(futures[i].result().value.state)
         return verdicts
@@ -173,9 +179,7 @@ class EpisodeRunner:
         params: SamplingParams,
     ) -> list[int]:
         """Apply the verdicts; the episodes that go on to another model turn."""
-        limits = Limits(
-            self.max_turns, self.max_seq_length, params.max_new_tokens, self.end_on_cut_turn
-        )
+        limits = self.setup.limits(params.max_new_tokens)
         return [
             i
             for i, c, v in zip(live, turns, verdicts, strict=True)

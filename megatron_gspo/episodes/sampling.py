@@ -24,10 +24,11 @@ from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.episodes.render import TurnRenderer
-from megatron_gspo.episodes.runner import EpisodeRunner
+from megatron_gspo.episodes.runner import EpisodeRunner, EpisodeSetup
 from megatron_gspo.rollout.protocol import SamplingParams
-from megatron_gspo.rollout.vllm.engine import VLLMEngine
+from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
+from megatron_gspo.runtime.seeds import step_seed
 
 __all__ = ["EpisodeSampler"]
 
@@ -63,7 +64,7 @@ class EpisodeSampler:
         )
         self.multi = r.multi_turn
         self.envs: EnvironmentPool | None = None
-        self.render: TurnRenderer | None = None
+        render: TurnRenderer | None = None
         if self.multi is not None and dist.get_rank() == 0:
             self.envs = EnvironmentPool(
                 self.multi.env,
@@ -72,10 +73,19 @@ class EpisodeSampler:
                 workers=self.multi.workers,
             )
             stop_text = stream.tokenizer.token_text(stop[0]) if stream.chat else None
-            self.render = TurnRenderer(
+            render = TurnRenderer(
                 stream.tokenizer, stream.chat, role=self.multi.observation_role, stop_text=stop_text
             )
             self.envs.start()
+        self.setup = EpisodeSetup(
+            multi_turn=self.multi is not None,
+            max_turns=self.multi.max_turns if self.multi is not None else 1,
+            max_seq_length=recipe.model.max_seq_length,
+            end_on_cut_turn=self.multi.end_on_cut_turn if self.multi is not None else True,
+            envs=self.envs,
+            render=render,
+            decode=stream.tokenizer.decode if dist.get_rank() == 0 else None,
+        )
 
     def runner(self, *, alone: bool):
         """An episode runner (``run(prompts, params) -> episodes``) for every rank together,
@@ -83,45 +93,38 @@ class EpisodeSampler:
         rank0 = dist.get_rank() == 0
         if alone and not rank0:
             return None
-        if self.multi is not None and isinstance(self.engine, VLLMEngine):
-            concurrent = self._concurrent() if rank0 else None
+        caps = self.engine.capabilities
+        if alone and not caps.rank0_generation:
+            raise InputError(
+                f"rollout.engine {self.recipe.rollout.engine!r} cannot sample from rank 0 alone, "
+                "which rollout.max_staleness >= 1 needs"
+            )
+        if self.multi is not None and caps.concurrent_episodes:
+            concurrent = None
+            if rank0:
+                concurrent = ConcurrentRunner(
+                    self.engine.client,
+                    self.engine.check_versions,
+                    self.setup,
+                    max_inflight=self.recipe.rollout.vllm.max_inflight,
+                )
             return concurrent if alone else _Shared(concurrent)
         return EpisodeRunner(
             self.engine.generate_rank0 if alone else self.engine.generate,
-            multi_turn=self.multi is not None,
-            max_turns=self.multi.max_turns if self.multi is not None else 1,
-            max_seq_length=self.recipe.model.max_seq_length,
-            end_on_cut_turn=self.multi.end_on_cut_turn if self.multi is not None else True,
-            envs=self.envs,
-            render=self.render,
-            decode=self.stream.tokenizer.decode if rank0 else None,
+            self.setup,
             share=(lambda fn: fn()) if alone else on_rank0,
         )
 
-    def _concurrent(self) -> ConcurrentRunner:
-        assert self.envs is not None and self.render is not None
-        return ConcurrentRunner(
-            self.engine.client,
-            self.engine.check_versions,
-            max_inflight=self.recipe.rollout.vllm.max_inflight,
-            max_turns=self.multi.max_turns,
-            max_seq_length=self.recipe.model.max_seq_length,
-            end_on_cut_turn=self.multi.end_on_cut_turn,
-            envs=self.envs,
-            render=self.render,
-            decode=self.stream.tokenizer.decode,
-        )
-
-    def step_seed(self, step: int) -> int:
-        """The sampling seed of a step's rollout batch."""
-        return self.recipe.rollout.seed * 1_000_003 + step
+    def step_seed(self, step: int, salt: int = 0) -> int:
+        """The sampling seed of a step's rollout batch (:mod:`megatron_gspo.runtime.seeds`)."""
+        return step_seed(self.recipe.rollout.seed, step, salt)
 
     def rollout(self, step: int, prompts: list[Prompt], *, salt: int = 0) -> Sampled:
         """The step's episodes and how they were sampled, on every rank (collective); ``salt``
         varies the seed for more batches within a step (dynamic sampling)."""
-        seed = self.step_seed(step) * 1_009 + salt if salt else self.step_seed(step)
         runner = self.runner(alone=False)
-        return runner.run(prompts, replace(self.params, seed=seed)), dict(runner.stats)
+        params = replace(self.params, seed=self.step_seed(step, salt))
+        return runner.run(prompts, params), dict(runner.stats)
 
     def rollouts(self, *, next_step: int) -> OnPolicyRollouts | RolloutPipeline:
         """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""

@@ -18,12 +18,14 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_gspo.model.routes import RouteRecorder, route_dtype
-from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult
+from megatron_gspo.rollout.protocol import Capabilities, Completion, RolloutRequest, RolloutResult
 from megatron_gspo.rollout.sampling import sample_tokens
 from megatron_gspo.runtime.errors import InputError
 
 
 class LocalEngine:
+    capabilities = Capabilities()
+
     def __init__(
         self, model: torch.nn.Module, *, max_batch_size: int = 256, use_cache: bool = True
     ):

@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_gspo.config import ModelConfig, PrecisionConfig
-from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
+from megatron_gspo.rollout.protocol import Capabilities, RolloutRequest, RolloutResult
 from megatron_gspo.runtime.procs import kill_at_exit
+from megatron_gspo.runtime.rank0 import on_rank0
 
 __all__ = ["LocalWorkerEngine"]
 
@@ -74,6 +75,8 @@ class LocalWorkerEngine:
 
     Construct on every rank (``model`` is this rank's stage); only rank 0 owns the worker.
     """
+
+    capabilities = Capabilities(rank0_generation=True)
 
     def __init__(
         self,
@@ -129,22 +132,16 @@ class LocalWorkerEngine:
         return self._call(("generate", request))
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
-        """Collective: every rank receives rank 0's result."""
-        box: list[Any] = [self.generate_rank0(request) if self.rank == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Collective: every rank receives rank 0's result, or raises its error."""
+        return on_rank0(self.generate_rank0, request)
 
     def score_rank0(self, sequences: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs from the worker's snapshot; rank 0 only."""
         return self._call(("score", sequences))
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Collective: every rank receives rank 0's log-probs."""
-        box: list[Any] = [self.score_rank0(sequences) if self.rank == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Collective: every rank receives rank 0's log-probs, or raises its error."""
+        return on_rank0(self.score_rank0, sequences)
 
     def sync_weights(self, version: int) -> None:
         """Send the trainer's weights (gathered to rank 0) to the worker. Collective."""

@@ -82,7 +82,24 @@ class RolloutResult:
         return sum(len(c.token_ids) for group in self.completions for c in group)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond the protocol's collective calls; the loop picks how to
+    sample by these, never by an engine's type."""
+
+    # generate_rank0 and score_rank0: global rank 0 alone drives the engine, with no
+    # collective, so the rollout pipeline can run it in a thread beside the trainer's own
+    # collectives (rollout.max_staleness >= 1).
+    rank0_generation: bool = False
+    # Every episode can request its turns on its own, from rank 0: the engine has ``client``
+    # (an asynchronous completions client: session(), complete(), server_for(), urls) and
+    # check_versions(); multi-turn episodes then advance concurrently (episodes.concurrent).
+    concurrent_episodes: bool = False
+
+
 class RolloutEngine(Protocol):
+    capabilities: Capabilities
+
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Sample ``group_size`` responses to every prompt. Collective over all ranks."""
         ...

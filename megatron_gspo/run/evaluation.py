@@ -23,11 +23,9 @@ from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.episodes.scoring import final_rewards
 from megatron_gspo.rollout.protocol import SamplingParams
 from megatron_gspo.runtime.rank0 import on_rank0
+from megatron_gspo.runtime.seeds import eval_data_seed, eval_seed
 
 __all__ = ["eval_prompts", "evaluate", "is_eval_step", "pass_at_k"]
-
-# The eval stream of a synthetic task: a seed no training stream uses.
-_EVAL_SEED_OFFSET = 7_919_000_001
 
 
 def is_eval_step(recipe: Recipe, step: int, total: int) -> bool:
@@ -43,7 +41,7 @@ def eval_prompts(recipe: Recipe, max_prompt_tokens: int) -> list[Prompt]:
     else:
         stream = PromptStream(
             data,
-            seed=recipe.rollout.seed + _EVAL_SEED_OFFSET,
+            seed=eval_data_seed(recipe.rollout.seed),
             max_prompt_tokens=max_prompt_tokens,
         )
     return stream.next_batch(recipe.eval.num_prompts)
@@ -81,7 +79,7 @@ def evaluate(
             temperature=temperature,
             top_p=1.0 if temperature == 0 else params.top_p,
             return_routes=False,
-            seed=(recipe.rollout.seed + _EVAL_SEED_OFFSET) * 31 + step * 2 + salt,
+            seed=eval_seed(recipe.rollout.seed, step, salt),
         )
 
     if runner is not None:

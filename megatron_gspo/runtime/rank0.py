@@ -3,6 +3,7 @@ and every rank needs the outcome of."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,8 @@ def on_rank0(fn: Callable[..., T], *args: Any) -> T:
 
     Collective. The error travels too, so the other ranks raise it instead of waiting in the
     broadcast for a result that never comes."""
+    if not dist.is_initialized():  # one process, no ranks: it is rank 0
+        return fn(*args)
     out: list = [None]
     if dist.get_rank() == 0:
         try:
@@ -25,8 +28,24 @@ def on_rank0(fn: Callable[..., T], *args: Any) -> T:
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             out[0] = ("error", e)
     if dist.get_world_size() > 1:
+        if out[0] is not None and out[0][0] == "error" and not _travels(out[0][1]):
+            error = out[0][1]
+            # Rank 0 raises its own; the others get its type's name and message.
+            out[0] = ("error", RuntimeError(f"{type(error).__name__}: {error}"))
+            dist.broadcast_object_list(out, src=0)
+            raise error
         dist.broadcast_object_list(out, src=0)
     kind, value = out[0]
     if kind == "error":
         raise value
     return value
+
+
+def _travels(error: BaseException) -> bool:
+    """Whether the error survives pickling (an exception whose constructor takes other
+    arguments than its message does not)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure means it cannot be sent as it is
+        return False
+    return True

@@ -7,11 +7,12 @@ Generation
     and sent concurrently from one asyncio event loop (``httpx``); vLLM batches them. A
     multi-turn episode sends each turn this way, its whole history as the prompt's ids
     (:mod:`megatron_gspo.episodes.concurrent`). Each prompt gets the seed
-    ``seed + prompt_index * group_size`` and vLLM gives the ``i``-th sample of a request
-    ``seed + i``, so every sample has its own reproducible stream. ``ignore_eos`` is set and
-    the stop ids are sent explicitly, so a response stops exactly on ``stop_token_ids`` (as
-    the local engine does) and not on an end-of-sequence id the server read from the
-    checkpoint's ``generation_config.json``. The stop token is part of the returned ids.
+    ``seed + prompt_index * group_size`` (:mod:`megatron_gspo.runtime.seeds`) and vLLM gives
+    the ``i``-th sample of a request ``seed + i``, so every sample has its own reproducible
+    stream. ``ignore_eos`` is set and the stop ids are sent explicitly, so a response stops
+    exactly on ``stop_token_ids`` (as the local engine does) and not on an end-of-sequence id
+    the server read from the checkpoint's ``generation_config.json``. The stop token is part of
+    the returned ids.
 
 Log-probs
     vLLM 0.32's default ``--logprobs-mode raw_logprobs`` returns ``log_softmax`` of the raw
@@ -49,6 +50,7 @@ import numpy as np
 from megatron_gspo.config import VLLMConfig
 from megatron_gspo.rollout.protocol import Completion, RolloutRequest, RolloutResult, SamplingParams
 from megatron_gspo.runtime.errors import InputError, UserError
+from megatron_gspo.runtime.seeds import request_seed
 
 __all__ = [
     "URLS_ENV",
@@ -353,7 +355,9 @@ class VLLMClient:
         async with self.session() as http:
             groups = await asyncio.gather(
                 *[
-                    self.complete(http, self.server_for(i), prompt, p, p.seed + i * p.group_size)
+                    self.complete(
+                        http, self.server_for(i), prompt, p, request_seed(p.seed, i, p.group_size)
+                    )
                     for i, prompt in enumerate(request.prompts)
                 ]
             )

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig, VLLMConfig
-from megatron_gspo.rollout.protocol import RolloutRequest, RolloutResult
+from megatron_gspo.rollout.protocol import Capabilities, RolloutRequest, RolloutResult
 from megatron_gspo.rollout.vllm.client import (
     VLLMClient,
     VLLMRequestError,
@@ -31,6 +31,7 @@ from megatron_gspo.rollout.vllm.client import (
 )
 from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
 from megatron_gspo.runtime.errors import InputError
+from megatron_gspo.runtime.rank0 import on_rank0
 
 __all__ = ["VLLMEngine"]
 
@@ -44,6 +45,8 @@ class VLLMEngine:
     :meth:`sync_weights` only. Construct on every rank; only global rank 0 opens connections.
     The job key comes from ``api_key`` or ``$MEGATRON_GSPO_VLLM_KEY``.
     """
+
+    capabilities = Capabilities(rank0_generation=True, concurrent_episodes=True)
 
     def __init__(
         self,
@@ -80,21 +83,8 @@ class VLLMEngine:
             self._on_rank0(lambda c: wait_until_healthy(c.urls, health_timeout_s))
 
     def _on_rank0(self, fn):
-        """Run ``fn(client)`` on rank 0; every rank returns its result or raises its error."""
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = ("ok", fn(self.client))
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                box[0] = ("error", e)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            if self.rank == 0:
-                raise value
-            raise type(value)(f"(on rank 0) {value}") if _reconstructible(value) else value
-        return value
+        """``fn(client)`` on rank 0; every rank returns its result or raises its error."""
+        return on_rank0(lambda: fn(self.client))
 
     # -- versions ----------------------------------------------------------------------------
 
@@ -211,11 +201,3 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Nothing to release: the servers belong to whoever started them."""
-
-
-def _reconstructible(err: BaseException) -> bool:
-    try:
-        type(err)("probe")
-    except Exception:  # noqa: BLE001
-        return False
-    return True
