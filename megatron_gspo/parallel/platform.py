@@ -76,6 +76,18 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
+class _HostStream:
+    """What Megatron-Core asks of a CUDA stream, on the host: everything is already ordered."""
+
+    wait_event = wait_stream = synchronize = record_event = staticmethod(_noop)
+
+    def __enter__(self) -> _HostStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 def cpu_platform_active() -> bool:
     return _MODE is not None
 
@@ -101,6 +113,8 @@ def enable_cpu_platform() -> bool:
 
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = _noop
+    # megatron-core 0.19's gradient buffers wait on the current stream for CUDA-graph replays.
+    torch.cuda.current_stream = lambda device=None: _HostStream()
 
     # Referenced by the router when Transformer Engine is absent, but only imported with it.
     import megatron.core.transformer.moe.moe_utils as moe_utils
