@@ -1,14 +1,16 @@
 """Weight sync into a running vLLM server: in memory (collective) against disk, in one run.
 
-Starts one CPU vLLM server (this project's extension and key, as ``launch`` starts them) on a
-Qwen3-MoE of ~235 MB in fp32 that this script writes itself, then, with the trainer at 1 rank
-and at 2 ranks (expert parallel: rank 0 gathers the other half of the experts), alternates
-collective and disk syncs of the trainer's weights and prints, per path and layout, the
-median over the repeats of the throughput (bytes synced / wall time of the whole sync, from
-the trainer's gather to every server holding and reporting the new version) and of its
-breakdown: gather (trainer shards to full tensors on rank 0; for disk: gather and write),
-pack (into buckets), transport (waiting for the broadcasts), server load (the server's
-``load_weights`` and post-processing, MoE prepack included).
+Starts one CPU vLLM server (the project's weight transfer engine and key, as ``launch`` starts
+them) on a Qwen3-MoE of ~235 MB in fp32 that this script writes itself, then, with the trainer
+at 1 rank and at 2 ranks (expert parallel: rank 0 gathers the other half of the experts),
+alternates collective and disk syncs of the trainer's weights through vLLM's RL API and
+prints, per path and layout, the median over the repeats of the throughput (bytes synced / wall
+time of the whole sync, from ``/pause`` to ``/resume``) and of its breakdown: gather (trainer
+shards to full tensors on rank 0; for disk: gather and write), pack (into buckets), transport
+(waiting for the broadcasts), server (``/update_weights``: receiving and ``load_weights``),
+start and finish (``/start_weight_update`` and ``/finish_weight_update``: vLLM's layerwise
+reload set up and completed, MoE prepack included), and the share of start and finish in the
+wall time.
 
 The last line is the median over every sync of both layouts:
 ``weight_sync: collective <X> MB/s, disk <Y> MB/s, ratio <X/Y>``.
@@ -149,7 +151,9 @@ def main() -> None:
         "weight_sync_gather_s",
         "weight_sync_pack_s",
         "weight_sync_transport_s",
-        "weight_sync_server_load_s",
+        "weight_sync_server_s",
+        "weight_sync_start_s",
+        "weight_sync_finish_s",
     ]
     print(
         f"\n{'layout':<8}{'path':<12}{'MB/s':>8}{'wall s':>8}  "
@@ -162,10 +166,13 @@ def main() -> None:
             rates = [m["weight_sync_mb"] / wall for wall, m in rows]
             overall[path] += rates
             cols = "".join(f"{statistics.median(m[k] for _, m in rows):>16.3f}" for k in keys)
+            reload = statistics.median(
+                (m["weight_sync_start_s"] + m["weight_sync_finish_s"]) / wall for wall, m in rows
+            )
             print(
                 f"{world} rank{'s' if world > 1 else ' '}  {path:<12}"
                 f"{statistics.median(rates):>8.0f}{statistics.median(w for w, _ in rows):>8.3f}"
-                f"  {cols}"
+                f"  {cols}   reload share {reload:.0%}"
             )
         print(
             f"{world} rank{'s' if world > 1 else ' '}  first collective sync (forms the group): "

@@ -77,9 +77,9 @@ def _slow_train(rank, world, data: dict, steps: int, delay_s: float):
 
     step = GSPOTrainer.step
 
-    def slow(self, samples):
+    def slow(self, samples, *args, **kwargs):
         time.sleep(delay_s)
-        return step(self, samples)
+        return step(self, samples, *args, **kwargs)
 
     GSPOTrainer.step = slow
     train_run(rank, world, data, steps, True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import shutil
 import socket
 import subprocess
@@ -165,7 +166,10 @@ def test_trainer_command_is_torchrun_with_this_nodes_rendezvous():
 
 def test_rollout_node_runs_one_server_per_tensor_parallel_group_on_its_own_address():
     layout, a = _assign(_env("gpu[01-03]", "gpu03"), rollout_nodes=1, vllm_servers_per_node=2)
-    servers = rollout_servers(a, layout, "ckpt/Qwen3", key="k3y", tensor_parallel=4)
+    servers = rollout_servers(
+        a, layout, "ckpt/Qwen3", key="k3y", tensor_parallel=4, weight_transfer="nccl",
+        dtype="bfloat16",
+    )  # fmt: skip
     assert [s.url for s in servers] == ["http://gpu03:8000", "http://gpu03:8001"]
     assert layout.vllm_urls == [s.url for s in servers], "the trainer looks elsewhere"
     for i, s in enumerate(servers):
@@ -177,7 +181,9 @@ def test_rollout_node_runs_one_server_per_tensor_parallel_group_on_its_own_addre
         # The job's address only, never every interface.
         assert cmd[cmd.index("--host") + 1] == "gpu03" and "0.0.0.0" not in cmd
         assert cmd[cmd.index("--port") + 1] == str(8000 + i)
-        assert cmd[cmd.index("--worker-extension-cls") + 1].endswith("WeightSyncExtension")
+        # The sync goes through vLLM's RL API, its NCCL engine between GPUs.
+        assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
         assert cmd[cmd.index("--middleware") + 1].endswith("JobKeyMiddleware")
         # The key sits in the environment: a command line is readable by every user.
         assert "k3y" not in " ".join(cmd) and s.env["VLLM_API_KEY"] == "k3y"

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from megatron_gspo.config import Recipe
+from megatron_gspo.rollout.vllm import VLLMClient
 from tests.support.ranks import run_distributed
 from tests.support.runs import ROOT, run_metrics
 from tests.support.vllm_checks import LOGPROB_ATOL, requires_vllm
@@ -148,3 +149,7 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path):
     assert all(r["turns_mean"] >= 1 and r["model_token_fraction"] <= 1 for r in records)
     assert records[-1]["episodes_in_flight_max"] > 1
     assert last > first + 0.15, f"no learning: reward {first:.3f} -> {last:.3f}"
+    # vLLM's own record of the weights it holds: the trainer's version after the last step.
+    from megatron_gspo.rollout.vllm.routes import Servers
+
+    assert Servers(VLLMClient([url], api_key=key), timeout_s=30).versions() == {url: steps}

@@ -1,12 +1,15 @@
 """The vLLM engine against real vLLM servers on 127.0.0.1 (CPU build; tiny Qwen3-MoE and Qwen3).
 
 One server per model and module (loading one takes ~25 s), started as ``launch`` starts them
-(worker extension, job-key middleware). The tests check what the trainer relies on: grouped
+(the weight transfer engine of vLLM's RL API, job-key middleware). The tests check what the
+trainer relies on: grouped
 samples with exact token ids and the policy's own log-probs (against a teacher-forced
 transformers forward); after each of two successive weight syncs (collective at 1 rank, EP2 and
 TP2, and disk), greedy samples and prompt log-probs equal to the Megatron trainer's own and the
-norms byte for byte; a manifest that does not match the served model refused by name; routes
-closed without the job's key; and a server that hangs, dies or is down named promptly.
+norms byte for byte, and ``/weight_info`` reporting the trainer's version; a sync interrupted
+half-way leaving the server refusing generation until a complete one; a manifest that does
+not match the served model refused by name; every route closed without the job's key; and a
+server that hangs, dies or is down named promptly.
 
 The tests that start a server skip where ``vllm`` is not importable (``.ci/vllm-setup.sh``
 builds the environment); those that need no server run everywhere: the client is plain HTTP.
@@ -29,6 +32,7 @@ from megatron_gspo.rollout.vllm import (
     VLLMUnavailableError,
     wait_until_healthy,
 )
+from megatron_gspo.rollout.vllm.routes import Servers
 from tests.support.ranks import run_distributed
 from tests.support.runs import loop_recipe, run_metrics
 from tests.support.vllm_checks import (
@@ -39,6 +43,8 @@ from tests.support.vllm_checks import (
     hf_token_logprobs,
     moe_sync_layouts,
     requires_vllm,
+    restore_served_weights,
+    servers_of,
     start_server,
     stop_server,
     train_with_vllm,
@@ -147,12 +153,11 @@ def test_the_training_loop_samples_from_vllm_one_step_off_policy(moe_server, moe
         },
         run={"plot_every": 0, "tensorboard": False},
     )
-    client = VLLMClient([moe_server.url], api_key=moe_server.key)
     try:
         run_distributed(train_with_vllm, 1, data, 3, moe_server.key)
-        held = client.rpc(moe_server.url, "gspo_weights_version")[0]["version"]
+        held = servers_of(moe_server).versions()[moe_server.url]
     finally:
-        client.rpc(moe_server.url, "gspo_load_from_path", {"path": str(moe_dir), "version": 0})
+        restore_served_weights(moe_server, moe_dir)
     records = run_metrics(tmp_path / "run")
     assert [r["staleness_max"] for r in records] == [0, 1, 1], records
     assert records[0]["rollout_logprob_abs_diff"] < LOGPROB_ATOL, "the first batch is on-policy"
@@ -187,41 +192,60 @@ def _mismatched_trainer(rank, world, cfg, url, key):
 
 @requires_vllm
 def test_a_manifest_that_does_not_match_the_served_model_is_refused(moe_server):
-    """A dense trainer against the MoE server: refused before any byte moves, naming the
-    server and a tensor, and the server keeps what it held."""
-    client = VLLMClient([moe_server.url], api_key=moe_server.key)
-    held = client.rpc(moe_server.url, "gspo_weights_version")[0]["version"]
+    """A dense trainer against the MoE server: refused at /init_weight_transfer_engine, before
+    anything changes, naming the server and a tensor; the server keeps what it held and goes
+    on serving (not paused)."""
+    s = servers_of(moe_server)
+    held = s.versions()
     message, versions = run_distributed(
         _mismatched_trainer, 1, VLLM_TINY_DENSE, moe_server.url, moe_server.key
     )[0]
     assert moe_server.url in message and "model.layers.0.mlp" in message, message
-    assert versions == {moe_server.url: held}, versions
+    assert versions == held, versions
+    assert s.is_paused() == {moe_server.url: False}
+
+
+# Every route of vLLM's RL API (and the dev routes beside it), with a body that would change
+# the server if it were accepted.
+RL_ROUTES = [
+    ("POST", "/pause?mode=abort", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {"path": "/tmp"}}),
+    ("POST", "/start_weight_update", None),
+    ("POST", "/update_weights", {"update_info": {"path": "/tmp"}}),
+    ("POST", "/finish_weight_update", {"weight_version": "forged"}),
+    ("POST", "/update_weight_version", {"new_version": "forged"}),
+    ("GET", "/weight_info", None),
+    ("POST", "/weight_checker", {"action": "reset"}),
+    ("GET", "/get_world_size", None),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
+    ("POST", "/reset_prefix_cache", None),
+    ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+]
 
 
 @requires_vllm
 def test_the_servers_routes_need_the_job_key(moe_server):
+    """Without the key (or with another) every route is refused and nothing changes: the
+    server is not paused, its weights version and its weights' checksums are what they were."""
     from megatron_gspo.rollout.vllm.client import _http
 
     url = moe_server.url
-    for path, body in [
-        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
-        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
-        ("/reset_prefix_cache", None),
-    ]:
-        status, _ = _http("POST", url + path, body, 30)
-        assert status == 401, f"{path} answered {status} without the job key"
+    s = servers_of(moe_server)
+    client = client_for(moe_server)
+    checksums = client.call(url, "/weight_checker", {"action": "checksum"})["checksums"]
+    version = s.versions()
+    for key in (None, "not-the-key"):
+        for method, path, body in RL_ROUTES:
+            status, _ = _http(method, url + path, body, 30, key)
+            assert status == 401, f"{method} {path} answered {status} with key {key!r}"
     assert _http("GET", url + "/health", None, 30)[0] == 200
+    assert s.versions() == version
+    assert s.is_paused() == {url: False}
+    assert client.call(url, "/weight_checker", {"action": "checksum"})["checksums"] == checksums
     with pytest.raises(VLLMRequestError, match="job key"):
-        VLLMClient([url], api_key="not-the-key").rpc(url, "gspo_weights_version")
-    # Past the HTTP check (right header), the extension checks the key in the request itself.
-    status, raw = _http(
-        "POST",
-        url + "/collective_rpc",
-        {"method": "gspo_weights_version", "kwargs": {"request": '{"key": "forged"}'}},
-        30,
-        moe_server.key,
-    )
-    assert status == 500 and b"wrong job key" in raw, (status, raw[:300])
+        Servers(VLLMClient([url], api_key="not-the-key"), timeout_s=30).versions()
 
 
 @requires_vllm
@@ -230,6 +254,75 @@ def test_after_each_sync_the_dense_server_computes_what_a_tp2_trainer_does(
 ):
     parallel = ParallelConfig(tensor_model_parallel_size=2)
     check_sync(dense_server, dense_dir, tmp_path, VLLM_TINY_DENSE, 2, parallel, "collective")
+
+
+def _interrupted_sync(rank, world, cfg, url, key):
+    """Sync 1, then a sync that the trainer abandons half-way (its tensor stream fails after a
+    third of the tensors), then sync 3; what the engine and the server say after each."""
+    import megatron_gspo.weights.stream as stream
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rollout.local import LocalEngine
+    from megatron_gspo.weights import load_full_state_dict
+    from tests.support.vllm_tiny import random_full_state_dict
+
+    init_parallel(ParallelConfig())
+    model = build_model(cfg, ParallelConfig())
+    config = VLLMConfig(urls=[url], sync_timeout_s=15, request_timeout_s=60, bucket_mb=0.05)
+    engine = VLLMEngine(config, cfg, model, urls=[url], api_key=key)
+    s = Servers(VLLMClient([url], api_key=key), timeout_s=60)
+    greedy = RolloutRequest(PROMPTS, SamplingParams(group_size=1, temperature=0.0))
+    out = {}
+    engine.sync_weights(1)
+    out["after 1"] = (s.versions()[url], s.is_paused()[url])
+
+    full = stream.iter_full_tensors
+
+    def half(*args, **kwargs):
+        tensors = list(full(*args, **kwargs))
+        yield from tensors[: len(tensors) // 3]
+        raise RuntimeError("the trainer went away")
+
+    load_full_state_dict(model, random_full_state_dict(cfg, 7))
+    stream.iter_full_tensors = half
+    try:
+        engine.sync_weights(2)
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        out["sync 2"] = str(e)
+    finally:
+        stream.iter_full_tensors = full
+    out["after 2"] = (s.versions()[url], s.is_paused()[url])
+    try:
+        engine.generate(greedy)
+    except Exception as e:  # noqa: BLE001
+        out["generate after 2"] = str(e)
+    engine.sync_weights(3)
+    out["after 3"] = (s.versions()[url], s.is_paused()[url])
+    served = engine.generate(greedy)
+    out["samples"] = [g[0].token_ids for g in served.completions]
+    out["trainer"] = [g[0].token_ids for g in LocalEngine(model).generate(greedy).completions]
+    out["stamped"] = {g[0].policy_version for g in served.completions}
+    return out
+
+
+@requires_vllm
+def test_a_sync_interrupted_half_way_leaves_the_server_refusing_until_a_complete_one(
+    dense_server, dense_dir
+):
+    try:
+        out = run_distributed(
+            _interrupted_sync, 1, VLLM_TINY_DENSE, dense_server.url, dense_server.key
+        )[0]
+    finally:
+        restore_served_weights(dense_server, dense_dir)
+    print(out)
+    assert out["after 1"] == (1, False)
+    assert "the trainer went away" in out["sync 2"] and "partial" in out["sync 2"], out["sync 2"]
+    # vLLM's own label: whoever asks (this trainer, a restarted one) sees a partial update.
+    assert out["after 2"] == ("partial", True), out["after 2"]
+    assert "sync to version 2 failed" in out["generate after 2"], out["generate after 2"]
+    assert out["after 3"] == (3, False)
+    assert out["samples"] == out["trainer"] and out["stamped"] == {3}
 
 
 def _sync_into_a_failing_server(rank, world, cfg, url, key, pgid):

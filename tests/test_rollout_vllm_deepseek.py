@@ -4,7 +4,7 @@ A tiny DeepSeek-V3 (multi-latent attention with DeepSeek-V3's latent and head si
 vLLM's CPU MLA needs; a dense layer, then an MoE layer with a shared expert and sigmoid routing
 over expert groups with a correction bias), its ``config.json`` written by the project's export
 (:func:`~megatron_gspo.model.hf_config.hf_config_from_model_config`), served as ``launch``
-serves models (worker extension, job key). One server for the module.
+serves models (weight transfer engine, job key). One server for the module.
 
 - The served log-probs, of prompts (teacher forced) and of sampled tokens (decoding), equal
   transformers' forward: this is where vLLM 0.32's CPU rotary kernel, which misreads MLA's
@@ -97,9 +97,8 @@ def test_after_each_sync_the_deepseek_server_computes_what_the_trainer_does(
 @pytest.fixture(scope="module")
 def unfixed_server(deepseek_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("vllm-ds-unfixed") / "server.log"
-    srv = start_server(
-        deepseek_dir, log, request, extension="tests.support.unfixed_mla.UnfixedExtension"
-    )
+    # The project's plugin leaves vLLM's CPU rotary kernel alone.
+    srv = start_server(deepseek_dir, log, request, env={"MEGATRON_GSPO_CPU_ROPE_FIX": "0"})
     yield srv
     stop_server(srv, request)
 

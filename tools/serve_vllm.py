@@ -4,7 +4,7 @@
 
 Writes a Hugging Face directory of the recipe's model shape (random weights: the trainer sends
 its own at start-up) and starts a vLLM server on 127.0.0.1 as ``megatron-gspo launch`` does
-(worker extension, job key, development mode), then prints what the trainer needs:
+(weight transfer engine, job key, development mode), then prints what the trainer needs:
 
     export MEGATRON_GSPO_VLLM_URLS=http://127.0.0.1:PORT MEGATRON_GSPO_VLLM_KEY=...
 
@@ -47,7 +47,14 @@ def main() -> int:
         extra += ["--max-model-len", str(recipe.model.max_seq_length)]
     else:
         extra += cpu_serving_args(recipe.model.max_seq_length, max_num_seqs=256)
-    with served(model_dir, extra, env={"VLLM_CPU_KVCACHE_SPACE": "2"}) as (url, key):
+    from megatron_gspo.rollout.vllm.server import server_backend, synced_dtype
+
+    gpu = torch.cuda.is_available()
+    if gpu:
+        extra += ["--dtype", synced_dtype(recipe)]
+    backend = server_backend(recipe.rollout.vllm.weight_sync, gpu=gpu)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    with served(model_dir, extra, env=env, weight_transfer=backend) as (url, key):
         lines = f"export MEGATRON_GSPO_VLLM_URLS={url} MEGATRON_GSPO_VLLM_KEY={key}\n"
         print(lines, end="", flush=True)
         if args.port_file:

@@ -103,7 +103,7 @@ def launch(
 
     Servers and trainer share the job's key from $MEGATRON_GSPO_VLLM_KEY (the sbatch recipes
     generate one per job); without it no server is started."""
-    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV, server_backend, synced_dtype
     from megatron_gspo.run.recipe import RecipeError, load_recipe
 
     env = dict(os.environ)
@@ -173,6 +173,8 @@ def launch(
                 vllm_args=shlex.split(vllm_args),
                 base_env=env,
                 return_routes=r.wants_rollout_routes,
+                weight_transfer=server_backend(r.rollout.vllm.weight_sync, gpu=gpus > 0),
+                dtype=synced_dtype(r),
             )
             processes = [(s.cmd, s.env) for s in servers]
     except (RecipeError, LaunchError) as e:

@@ -73,13 +73,15 @@ def rollout_servers(
     base_env: Mapping[str, str] | None = None,
     python: str = sys.executable,
     return_routes: bool = False,
+    weight_transfer: str = "gspo",
+    dtype: str | None = None,
 ) -> list[ServerProcess]:
     """One vLLM server per ``tensor_parallel`` GPUs of this node, on consecutive ports.
 
-    Independent servers rather than vLLM's ``--data-parallel-size``: vLLM routes
-    ``/collective_rpc`` to the first data-parallel engine only, so replicas behind one URL
-    would not all receive the weight sync. Each server listens on this node's own address (the
-    one the trainer reaches it at), never on every interface, and needs the job key.
+    Independent servers rather than vLLM's ``--data-parallel-size``: the weight sync gives each
+    server's workers group ranks of their own, and versions and pauses stay per URL. Each
+    server listens on this node's own address (the one the trainer reaches it at), never on
+    every interface, and needs the job key.
     """
     from megatron_gspo.rollout.vllm.server import server_command, server_env
 

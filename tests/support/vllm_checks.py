@@ -201,10 +201,7 @@ def check_sync(server, model_dir, tmp_path, cfg, world, parallel, weight_sync) -
             _sync_and_compare, world, cfg, parallel, server.url, server.key, vllm_cfg, [1234, 99]
         )
     finally:
-        # Later tests start from the weights on disk again.
-        VLLMClient([server.url], api_key=server.key).rpc(
-            server.url, "gspo_load_from_path", {"path": str(model_dir), "version": 0}
-        )
+        restore_served_weights(server, model_dir)
     rounds, left = results[0]
     for other, _ in results[1:]:
         assert [r["after"] for r in other] == [r["after"] for r in rounds], (
@@ -252,3 +249,27 @@ def train_with_vllm(rank, world, data: dict, steps: int, key: str):
 
     os.environ[JOB_KEY_ENV] = key
     train_run(rank, world, data, steps, True)
+
+
+def servers_of(server, timeout_s: float = 120.0):
+    """vLLM's RL routes of one test server, with its key."""
+    from megatron_gspo.rollout.vllm.routes import Servers
+
+    return Servers(VLLMClient([server.url], api_key=server.key), timeout_s=timeout_s)
+
+
+def restore_served_weights(server, model_dir: Path) -> None:
+    """Later tests start from the weights on disk again: the disk path of the ``gspo`` engine,
+    through the same routes, back to vLLM's label for the checkpoint a server started with."""
+    if getattr(server, "weight_transfer", "gspo") != "gspo":
+        return  # the disk path is the gspo engine's; a test's own server goes away after it
+    s = servers_of(server)
+    s.pause("abort")
+    try:
+        s.start_weight_update()
+    except Exception:  # noqa: BLE001 - an update a failed test left open: close it first
+        s.finish_weight_update()
+        s.start_weight_update()
+    s.update_weights({"path": str(model_dir)})
+    s.finish_weight_update("default")
+    s.resume()

@@ -154,7 +154,8 @@ def write_tiny_model(path: Path, cfg: ModelConfig = VLLM_TINY_MOE, seed: int = 0
 
 class VLLMServer:
     """A vLLM server as this project starts them (:mod:`megatron_gspo.rollout.vllm.server`:
-    worker extension, job-key middleware, dev mode), on 127.0.0.1, its output in a log file."""
+    weight transfer engine, job-key middleware, dev mode), on 127.0.0.1, its output in a log
+    file."""
 
     def __init__(
         self,
@@ -163,30 +164,32 @@ class VLLMServer:
         *,
         dtype: str = "float32",
         max_model_len: int = 128,
-        extension: str | None = None,
+        env: dict[str, str] | None = None,
+        weight_transfer: str = "gspo",
     ) -> None:
-        """``extension``: another worker extension class than the project's (a test's)."""
-        from megatron_gspo.rollout.vllm.server import (
-            EXTENSION,
-            new_job_key,
-            server_command,
-            server_env,
-        )
+        """``env``: more of the server's environment; ``weight_transfer``: the backend of
+        vLLM's RL API the trainer syncs through."""
+        self.weight_transfer = weight_transfer
+        from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.key = new_job_key()
-        env = server_env(self.key)
+        env = {**server_env(self.key), **(env or {})}
         # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         extra = ["--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len)]
         # A budget that never splits a prefill (see local_server.cpu_serving_args).
         extra += ["--max-num-seqs", "64", "--seed", "0"]
         extra += ["--max-num-batched-tokens", str(64 * max_model_len)]
-        cmd = server_command(str(model_dir), host="127.0.0.1", port=self.port, extra_args=extra)
-        if extension is not None:
-            cmd[cmd.index(EXTENSION)] = extension
+        cmd = server_command(
+            str(model_dir),
+            host="127.0.0.1",
+            port=self.port,
+            extra_args=extra,
+            weight_transfer=weight_transfer,
+        )
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -20,12 +20,12 @@ Log-probs
     what :class:`~megatron_gspo.rollout.protocol.Completion` promises. Servers must not be
     started with another ``--logprobs-mode``.
 
-Worker RPCs
-    ``POST /collective_rpc`` runs a method of the server's worker extension on every worker
-    (see :mod:`.extension`); the answer is one result per worker.
+RL routes
+    vLLM's weight-update routes (``/pause``, ``/start_weight_update``, ``/weight_info``, ...)
+    are called through :meth:`VLLMClient.call` by :mod:`.routes`.
 
-Every request carries ``Authorization: Bearer <job key>``. Worker RPCs and health checks use
-the standard library's ``urllib`` (few, large, sequential); generation uses ``httpx``.
+Every request carries ``Authorization: Bearer <job key>``. The RL routes and health checks use
+the standard library's ``urllib`` (few, sequential); generation uses ``httpx``.
 Connection errors and 5xx answers are retried with exponential backoff; when a server stays
 unreachable, :class:`VLLMUnavailableError` names its URL. Timeouts are not retried (a server
 that took ``request_timeout_s`` once will likely do it again).
@@ -204,39 +204,6 @@ class VLLMClient:
         error = VLLMServerError if server_error else VLLMUnavailableError
         raise error(f"vLLM server {url} unavailable ({path}, {retries + 1} attempts): {last}")
 
-    def rpc(
-        self,
-        url: str,
-        method: str,
-        request: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        """Run the worker-extension ``method`` on every worker of one server (not retried:
-        these calls change state); one result per worker."""
-        payload = json.dumps({**(request or {}), "key": self.api_key})
-        body: dict[str, Any] = {"method": method, "kwargs": {"request": payload}}
-        if timeout is not None:
-            body["timeout"] = timeout
-        http_timeout = (timeout or self.request_timeout_s) + 30
-        try:
-            answer = self.call(url, "/collective_rpc", body, timeout=http_timeout, retries=0)
-        except VLLMRequestError as e:
-            if "HTTP 404" in str(e):
-                raise VLLMRequestError(
-                    f"vLLM server {url} has no /collective_rpc: it must run in development "
-                    "mode with megatron-gspo's worker extension (megatron_gspo.rollout.vllm."
-                    "server starts it so)"
-                ) from e
-            raise
-        except VLLMServerError as e:
-            # vLLM answers a failed worker call with a 500 carrying the worker's error.
-            raise VLLMRequestError(f"{method} on {url} failed: {e}") from e
-        results = (answer or {}).get("results")
-        if not isinstance(results, list) or not results:
-            raise VLLMRequestError(f"vLLM server {url}: {method} returned {answer!r}")
-        return results
-
     # -- generation --------------------------------------------------------------------------
 
     def completion_body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict:
@@ -400,17 +367,6 @@ class VLLMClient:
 
     def server_for(self, prompt_index: int) -> str:
         return self.urls[prompt_index % len(self.urls)]
-
-    def reset_prefix_cache(self, url: str, attempts: int = 10) -> None:
-        """Drop cached KV blocks (computed with the old weights); retried while blocks are busy."""
-        for _ in range(attempts):
-            answer = self.call(url, "/reset_prefix_cache")
-            if answer is None or answer.get("success", True):
-                return
-            time.sleep(0.5)
-        raise VLLMRequestError(
-            f"vLLM server {url} could not reset its prefix cache (requests still running?)"
-        )
 
 
 def _raise_for_refusal(url: str, path: str, status: int, text: str) -> None:

@@ -28,9 +28,10 @@ __all__ = ["fix_cpu_rotary_embedding"]
 def fix_cpu_rotary_embedding() -> bool:
     """Route multi-dimensional rotary calls away from vLLM's CPU kernel, in this process.
 
-    Only inside a process that has imported vLLM (a server's worker, which imports the worker
-    extension before it builds the model) and runs vLLM's CPU platform; elsewhere nothing is
-    imported or changed. Idempotent. Returns whether the correction is in place.
+    Only inside a process that has imported vLLM (every vLLM process loads the project's
+    plugin, :mod:`.plugin`, before it builds the model) and runs vLLM's CPU platform;
+    elsewhere nothing is imported or changed. Idempotent. Returns whether the correction is
+    in place.
     """
     if "vllm" not in sys.modules:
         return False

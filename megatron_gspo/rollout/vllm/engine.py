@@ -4,11 +4,11 @@ Only global rank 0 talks to the servers. :meth:`VLLMEngine.generate` broadcasts 
 rank 0's error) to every rank, since every rank needs the batch; :meth:`VLLMEngine.sync_weights`
 is collective because gathering the trainer's shards is.
 
-Versions: the engine knows which weights version each server holds. Every sync ends with each
-server reporting the version it loaded, and every generation first asks each server for its
-version, refuses to sample from one that holds anything but the last synced version (a
-half-finished sync, a restarted server), and stamps each completion with the version that
-produced it.
+Versions are vLLM's own: every sync ends with ``/finish_weight_update`` naming the trainer's
+version, and a server reports ``partial`` while one is under way (:mod:`.sync`). Every
+generation first asks each server for its ``/weight_info``, refuses to sample from one that
+holds anything but the last synced version (a half-finished sync, a restarted server), and
+stamps each completion with the version that produced it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from megatron_gspo.rollout.vllm.client import (
     resolve_urls,
     wait_until_healthy,
 )
+from megatron_gspo.rollout.vllm.routes import Servers
 from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
@@ -68,6 +69,7 @@ class VLLMEngine:
         self._failed_sync: int | None = None
         self.last_sync: dict[str, float] = {}
         self.client: VLLMClient | None = None
+        self.servers: Servers | None = None
         self._sync = None
         if self.rank == 0:
             self.client = VLLMClient(
@@ -79,6 +81,7 @@ class VLLMEngine:
                 retry_backoff_s=retry_backoff_s,
                 moe_layers=model_config.moe_layers,
             )
+            self.servers = Servers(self.client, timeout_s=config.sync_timeout_s)
         if health_timeout_s is not None:
             self._on_rank0(lambda c: wait_until_healthy(c.urls, health_timeout_s))
 
@@ -89,13 +92,9 @@ class VLLMEngine:
     # -- versions ----------------------------------------------------------------------------
 
     def server_versions(self) -> dict[str, Any]:
-        """The version every server reports now (rank 0 only)."""
-        assert self.client is not None
-        out = {}
-        for url in self.client.urls:
-            held = {w.get("version") for w in self.client.rpc(url, "gspo_weights_version")}
-            out[url] = held.pop() if len(held) == 1 else f"mixed {sorted(map(str, held))}"
-        return out
+        """The version every server reports now (``/weight_info``; rank 0 only)."""
+        assert self.servers is not None
+        return self.servers.versions()
 
     def check_versions(self) -> dict[str, Any]:
         """Every server's weights version, refusing a failed sync or a server that holds
@@ -158,7 +157,7 @@ class VLLMEngine:
         outcome: tuple[str, Any] = ("ok", None)
         if self.rank == 0:
             try:
-                outcome = ("ok", self._push(mapping, tensors, version))
+                outcome = ("ok", self._sync_driver(mapping).push(tensors, version))
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 outcome = ("error", e)
         # Other ranks (and rank 0 after a failure) still drive the gather to its end.
@@ -169,35 +168,44 @@ class VLLMEngine:
             status, value = outcome
             if status == "error":
                 raise value
-            for url in client.urls:
-                client.reset_prefix_cache(url)
             return value.metrics()
 
         self._failed_sync = version
         self.last_sync = self._on_rank0(finish)
         self.version, self._failed_sync = version, None
 
-    def _push(self, mapping, tensors, version: int):
-        from megatron_gspo.rollout.vllm.sync import CollectiveSync, DiskSync, sync_host
+    def _sync_driver(self, mapping):
+        """The sync through vLLM's RL routes, with the transport the servers were started for
+        (:mod:`.sync`), built once."""
+        from megatron_gspo.rollout.vllm import sync
 
-        assert self.client is not None
-        if self._sync is None:
-            if self.config.weight_sync == "disk":
-                if self.config.sync_dir is None:
-                    raise InputError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
-                self._sync = DiskSync(self.client, self.model_config, self.config.sync_dir)
-            else:
-                self._sync = CollectiveSync(
-                    self.client,
-                    mapping.hf_shapes,
-                    fp32={h for h in mapping.hf_shapes if mapping.by_hf[h].fp32},
-                    bucket_bytes=int(self.config.bucket_mb * 2**20),
-                    timeout_s=self.config.sync_timeout_s,
-                    host=sync_host(self.config.sync_host),
-                )
-        if isinstance(self._sync, DiskSync):
-            return self._sync.push(tensors, version, dtype=self.model.config.params_dtype)
-        return self._sync.push(tensors, version)
+        if self._sync is not None:
+            return self._sync
+        assert self.servers is not None
+        dtype = self.model.config.params_dtype
+        cfg = self.config
+        if cfg.weight_sync == "disk":
+            if cfg.sync_dir is None:
+                raise InputError("rollout.vllm.weight_sync=disk needs rollout.vllm.sync_dir")
+            transport = sync.DiskTransport(self.model_config, cfg.sync_dir, dtype=dtype)
+        elif torch.cuda.is_available():
+            dtypes = {h: mapping.hf_dtype(h, dtype) for h in mapping.hf_shapes}
+            transport = sync.NcclTransport(
+                sync.MegatronSource(mapping.hf_shapes, dtypes),
+                timeout_s=cfg.sync_timeout_s,
+                host=sync.sync_host(cfg.sync_host),
+            )
+        else:
+            transport = sync.GlooTransport(
+                mapping.hf_shapes,
+                dtype=dtype,
+                fp32={h for h in mapping.hf_shapes if mapping.by_hf[h].fp32},
+                bucket_bytes=int(cfg.bucket_mb * 2**20),
+                timeout_s=cfg.sync_timeout_s,
+                host=sync.sync_host(cfg.sync_host),
+            )
+        self._sync = sync.WeightSync(self.servers, transport)
+        return self._sync
 
     def close(self) -> None:
         """Nothing to release: the servers belong to whoever started them."""

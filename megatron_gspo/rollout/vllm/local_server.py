@@ -4,7 +4,7 @@
 weights (the trainer replaces them with its own at start-up, through the weight sync) and a
 word-level tokenizer whose vocabulary is exactly the model's (vLLM's completions need one even
 when prompts are token ids; the trainer never reads its text). :func:`served` runs a server on
-it as ``megatron-gspo launch`` starts them (worker extension, job key, development mode).
+it as ``megatron-gspo launch`` starts them (weight transfer engine, job key, development mode).
 ``tools/serve_vllm.py RECIPE`` does both for a recipe whose ``rollout.engine`` is ``vllm``.
 """
 
@@ -61,7 +61,12 @@ def cpu_serving_args(max_model_len: int, max_num_seqs: int) -> list[str]:
 
 @contextlib.contextmanager
 def served(
-    model_dir: Path, extra_args: list[str], *, env: dict | None = None, cpu: int | None = None
+    model_dir: Path,
+    extra_args: list[str],
+    *,
+    env: dict | None = None,
+    cpu: int | None = None,
+    weight_transfer: str | None = "gspo",
 ):
     """A vLLM server on ``model_dir`` as ``launch`` starts them; yields ``(url, key)``."""
     import os
@@ -74,7 +79,13 @@ def served(
     key, port = new_job_key(), free_port()
     url = f"http://127.0.0.1:{port}"
     full_env = {**server_env(key), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    cmd = server_command(str(model_dir), host="127.0.0.1", port=port, extra_args=extra_args)
+    cmd = server_command(
+        str(model_dir),
+        host="127.0.0.1",
+        port=port,
+        extra_args=extra_args,
+        weight_transfer=weight_transfer,
+    )
     log_path = model_dir.parent / "server.log"
     pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     with open(log_path, "w") as log:

@@ -3,13 +3,15 @@
 
 What every server gets:
 
-* ``--worker-extension-cls``: :class:`~megatron_gspo.rollout.vllm.extension.WeightSyncExtension`
-  (in-memory weight sync, the MoE reload fix, the weights version);
+* ``--weight-transfer-config``: the weight transfer engine of vLLM's RL API that the trainer's
+  sync drives (:func:`server_backend`: vLLM's ``nccl``
+  between GPUs, the project's ``gspo`` otherwise, registered by the project's vLLM plugin);
 * ``--middleware``: :class:`~megatron_gspo.rollout.vllm.auth.JobKeyMiddleware`, so that every
-  route but ``/health`` needs the job's key, dev-mode routes included;
-* ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``, ``/reset_prefix_cache``) and the key in
-  ``VLLM_API_KEY`` (vLLM's own ``--api-key`` check of the OpenAI routes reads it too), in the
-  environment rather than on the command line;
+  route but ``/health`` needs the job's key, the RL and dev-mode routes included (vLLM guards
+  only its OpenAI routes);
+* ``VLLM_SERVER_DEV_MODE=1`` (the RL routes: ``/pause``, ``/start_weight_update``, ...) and the
+  key in ``VLLM_API_KEY`` (vLLM's own ``--api-key`` check of the OpenAI routes reads it too),
+  in the environment rather than on the command line;
 * ``--host``: the address the job reaches it at, never every interface;
 * where the recipe wants each token's experts (``rollout.return_routes``, R3 replay):
   ``--enable-return-routed-experts`` and ``VLLM_USE_V2_MODEL_RUNNER=1``, which that needs. The
@@ -23,6 +25,7 @@ distribution named ``vllm``); the module is the same server in both wheels.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sys
@@ -31,11 +34,17 @@ from collections.abc import Mapping, Sequence
 from megatron_gspo.rollout.vllm.auth import KEY_ENV as SERVER_KEY_ENV
 from megatron_gspo.runtime.errors import InputError
 
-__all__ = ["JOB_KEY_ENV", "new_job_key", "server_command", "server_env"]
+__all__ = [
+    "JOB_KEY_ENV",
+    "new_job_key",
+    "server_backend",
+    "server_command",
+    "server_env",
+    "synced_dtype",
+]
 
 # Where the trainer (and launch) find the job's key; the batch script generates it.
 JOB_KEY_ENV = "MEGATRON_GSPO_VLLM_KEY"
-EXTENSION = "megatron_gspo.rollout.vllm.extension.WeightSyncExtension"
 MIDDLEWARE = "megatron_gspo.rollout.vllm.auth.JobKeyMiddleware"
 
 
@@ -53,11 +62,20 @@ def server_command(
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
     return_routes: bool = False,
+    weight_transfer: str | None = "gspo",
+    dtype: str | None = None,
 ) -> list[str]:
+    """``weight_transfer``: the backend of vLLM's RL API the trainer syncs through (None: a
+    server nobody syncs, a reward model's); ``dtype``: the one the trainer sends (the server
+    refuses a manifest in another)."""
     cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
     cmd += ["--host", host, "--port", str(port)]
     cmd += ["--tensor-parallel-size", str(tensor_parallel)]
-    cmd += ["--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
+    if weight_transfer is not None:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+    cmd += ["--middleware", MIDDLEWARE]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if return_routes:
@@ -103,3 +121,17 @@ def server_env(
     if cpu:
         env = {**CPU_MALLOC_ENV, **env}  # an explicit setting of the caller's wins
     return env
+
+
+def synced_dtype(recipe) -> str:
+    """The dtype the trainer's weights travel in, which its servers must run in."""
+    if recipe.precision.bf16:
+        return "bfloat16"
+    return recipe.model.params_dtype
+
+
+def server_backend(weight_sync: str, *, gpu: bool) -> str:
+    """The ``--weight-transfer-config`` backend a server is started with: vLLM's ``nccl`` for
+    the in-memory sync between GPUs, else the project's ``gspo`` (gloo buckets on CPUs, or a
+    checkpoint directory on any device)."""
+    return "nccl" if gpu and weight_sync == "collective" else "gspo"

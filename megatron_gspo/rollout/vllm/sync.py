@@ -1,29 +1,40 @@
-"""The trainer's side of the weight sync to vLLM servers: in memory (collective) or by disk.
+"""The trainer's side of the weight sync to vLLM servers, through vLLM's RL API.
 
-Both take the trainer's full tensors under Hugging Face names, produced on global rank 0 by
-the same mapping the converter uses (:class:`~megatron_gspo.weights.hf.HFMapping` over
-:func:`~megatron_gspo.weights.stream.iter_full_tensors`: the TP/EP/PP shards are gathered one
-tensor at a time), and leave every server holding the new weights and reporting their version.
+Every sync walks the same routes whatever carries the bytes (:mod:`.routes`):
 
-Collective (the default)
-    Once: ask every server who its workers are and what they serve (``gspo_describe``), check
-    the manifest against it (names, shapes; the tensors go in the server's dtype), and form the
-    sync group (``gspo_init_sync``, see :mod:`.transport`). Each sync: ask every server to
-    receive (``gspo_receive_weights``, in a thread per server, since that call returns only when
-    its workers have loaded everything), then pack the tensors into buckets and broadcast them,
-    one bucket in flight while the next is gathered and packed. No file is written.
+0. once, ``/init_weight_transfer_engine`` (the server checks the manifest; a refusal changes
+   nothing);
+1. ``/pause`` (``wait``: nothing is generating by then; the engine drains its requests first),
+   and ``/update_weight_version partial``: from here until step 4 a server reports ``partial``
+   and the engine refuses to sample from it, so a sync that fails half-way leaves the servers
+   refusing generation until a complete one;
+2. ``/start_weight_update`` (vLLM's layerwise reload begins);
+3. the bytes: ``/update_weights`` on every server while the trainer sends, by the transport the
+   servers were started with (``--weight-transfer-config``);
+4. ``/finish_weight_update`` with the trainer's version, which ``/weight_info`` then reports;
+5. ``/resume``.
 
-Disk (the fallback)
-    Rank 0 writes a Hugging Face checkpoint under ``rollout.vllm.sync_dir`` (a directory the
-    servers see) and every server reloads it (``gspo_load_from_path``, which applies the same
-    MoE fix as the collective path).
+Transports (``rollout.vllm.weight_sync``):
 
-A failure names the server (and, for the collective path, the bucket being sent); afterwards the
-group is dropped and formed again at the next sync.
+``collective``
+    In memory. On CPUs the project's ``gspo`` engine (:mod:`.engines`): a gloo group of
+    the trainer's rank 0 and every worker, flat buckets whose layout (the manifest, checked by
+    every worker against what it serves) is agreed once. On GPUs vLLM's own ``nccl`` engine
+    and its trainer side (``NCCLTrainerWeightTransferEngine``, packed buckets), fed by
+    :class:`MegatronSource`; that path is vLLM's and has never run here (no GPU build fits
+    this project's test machine).
+``disk``
+    Rank 0 writes a Hugging Face checkpoint under ``rollout.vllm.sync_dir`` (which the servers
+    see); the ``gspo`` engine reads it, on any device.
+
+Either way the tensors are the trainer's full tensors under Hugging Face names, produced on
+global rank 0 by the mapping conversion uses (:class:`~megatron_gspo.weights.hf.HFMapping` over
+:func:`~megatron_gspo.weights.stream.iter_full_tensors`: shards gathered one tensor at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -32,30 +43,32 @@ import time
 import uuid
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_gspo.rollout.vllm.client import VLLMClient, VLLMRequestError, VLLMUnavailableError
-from megatron_gspo.rollout.vllm.transport import (
-    DTYPES,
-    Manifest,
-    SyncGroup,
-    plan_manifest,
-    view,
-)
+from megatron_gspo.rollout.vllm.routes import PARTIAL, Servers
+from megatron_gspo.rollout.vllm.transport import Manifest, SyncGroup, plan_manifest, view
 from megatron_gspo.runtime.errors import UserError
 
-__all__ = ["CollectiveSync", "DiskSync", "SyncReport", "check_manifest", "sync_host"]
+__all__ = [
+    "DiskTransport",
+    "GlooTransport",
+    "MegatronSource",
+    "NcclTransport",
+    "SyncReport",
+    "WeightSync",
+    "WeightSyncError",
+    "sync_host",
+]
 
 log = logging.getLogger(__name__)
 
 
 class WeightSyncError(UserError, RuntimeError):
-    """A weight sync failed; the message names the server and what was being sent."""
+    """A weight sync failed; the message names the servers and what was being sent."""
 
 
 @dataclass
@@ -67,9 +80,13 @@ class SyncReport:
     gather_s: float = 0.0
     pack_s: float = 0.0
     transport_s: float = 0.0
-    server_load_s: float = 0.0
+    # /update_weights, from the request to every server's answer: receiving and loading.
+    server_s: float = 0.0
+    # /start_weight_update and /finish_weight_update: vLLM's layerwise reload set up, and its
+    # last layers processed and copied into the served storage (MoE prepack included).
+    start_s: float = 0.0
+    finish_s: float = 0.0
     total_s: float = 0.0
-    workers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -78,7 +95,9 @@ class SyncReport:
             "weight_sync_gather_s": self.gather_s,
             "weight_sync_pack_s": self.pack_s,
             "weight_sync_transport_s": self.transport_s,
-            "weight_sync_server_load_s": self.server_load_s,
+            "weight_sync_server_s": self.server_s,
+            "weight_sync_start_s": self.start_s,
+            "weight_sync_finish_s": self.finish_s,
         }
 
 
@@ -87,180 +106,150 @@ def sync_host(configured: str | None) -> str:
     return configured or os.environ.get("MASTER_ADDR") or socket.gethostname()
 
 
-def _served_shapes(served: dict[str, list]) -> dict[str, tuple[int, ...]]:
-    """Per-expert names for checkpoints that store experts fused (transformers 5 layout)."""
-    from megatron_gspo.weights.hf import split_fused_experts
+class WeightSync:
+    """Rank 0's driver of every sync: the routes around the bytes, whichever transport."""
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, (shape, _dtype) in served.items():
-        for n, t in split_fused_experts(name, torch.empty(shape, device="meta")):
-            shapes[n] = tuple(t.shape)
-    return shapes
+    def __init__(self, servers: Servers, transport) -> None:
+        self.servers, self.transport = servers, transport
+        self.connected = False
 
+    def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+        """Send one sync (consumes ``tensors``: HF name and full tensor, in model order)."""
+        s = self.servers
+        start = time.perf_counter()
+        try:
+            if not self.connected:
+                # Before anything changes: a server that refuses the manifest keeps serving.
+                self.transport.connect(s)
+                self.connected = True
+            s.pause("wait")
+            s.set_version(PARTIAL)
+            t0 = time.perf_counter()
+            _start(s)
+            t1 = time.perf_counter()
+            report = self.transport.send(s, tensors, version)
+            t2 = time.perf_counter()
+            s.finish_weight_update(str(version))
+            report.start_s, report.finish_s = t1 - t0, time.perf_counter() - t2
+            s.resume()
+        except BaseException as e:
+            # The transport's group may be half-used: form it again at the next sync.
+            self.connected = False
+            raise self._failure(e) from e
+        report.total_s = time.perf_counter() - start
+        return report
 
-def check_manifest(manifest: Manifest, served: dict[str, list] | None, url: str) -> None:
-    """Refuse a manifest that does not match what a server serves, naming the tensor."""
-    if served is None:
-        log.warning("%s: cannot read the served checkpoint's tensor list; not checked", url)
-        return
-    shapes = _served_shapes(served)
-    sent = {e.name: e.shape for b in manifest.buckets for e in b}
-    for name, shape in sent.items():
-        if name not in shapes:
-            raise WeightSyncError(f"vLLM server {url} serves no tensor {name!r} (trainer sends it)")
-        if tuple(shapes[name]) != tuple(shape):
-            raise WeightSyncError(
-                f"vLLM server {url}: tensor {name!r} has shape {list(shapes[name])} there, the "
-                f"trainer sends {list(shape)}"
-            )
-    missing = sorted(set(shapes) - set(sent))
-    if missing:
-        raise WeightSyncError(
-            f"vLLM server {url} serves {len(missing)} tensor(s) the trainer does not send, "
-            f"e.g. {missing[0]!r}"
+    def _failure(self, error: BaseException) -> WeightSyncError:
+        where = getattr(self.transport, "sending", "") or "before the first tensor"
+        return WeightSyncError(
+            f"weight sync failed while sending {where}: {type(error).__name__}: {error} "
+            f"(servers {', '.join(self.servers.urls)} stay paused and report version "
+            f"{PARTIAL!r} until a sync completes)"
         )
 
 
-class CollectiveSync:
-    """Rank 0's end of the in-memory sync (gloo between CPUs, NCCL between GPUs)."""
+def _start(servers: Servers) -> None:
+    """``/start_weight_update``; a server still inside an update that a failed sync left open
+    finishes it first (its layers keep what they had) and starts again."""
+    try:
+        servers.start_weight_update()
+    except Exception as e:  # noqa: BLE001 - retried once, below, for that one refusal
+        if "already active" not in str(e):
+            raise
+        servers.finish_weight_update(PARTIAL)
+        servers.start_weight_update()
+
+
+class GlooTransport:
+    """``gspo`` from the trainer, in memory: flat buckets broadcast over a gloo group."""
 
     def __init__(
         self,
-        client: VLLMClient,
         hf_shapes: dict[str, tuple[int, ...]],
         *,
+        dtype: torch.dtype,
         fp32: Collection[str] = (),
         bucket_bytes: int,
         timeout_s: float,
         host: str,
-        backend: str | None = None,
     ) -> None:
-        self.client = client
-        self.hf_shapes = hf_shapes
-        self.fp32 = frozenset(fp32)
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.host = host
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.group: SyncGroup | None = None
-        self.manifest: Manifest | None = None
-        self.dtype: torch.dtype | None = None
-
-    def connect(self) -> None:
-        """Describe, check and form the group with every worker of every server."""
-        described = {url: self.client.rpc(url, "gspo_describe") for url in self.client.urls}
-        dtypes = {w["dtype"] for workers in described.values() for w in workers}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
-            raise WeightSyncError(
-                f"vLLM servers serve dtypes {sorted(dtypes)}; expected one of "
-                f"{sorted(DTYPES)} shared by all"
-            )
-        self.dtype = DTYPES[dtypes.pop()]
-        manifest = plan_manifest(
-            self.hf_shapes.items(), self.dtype, self.bucket_bytes, fp32=self.fp32
+        self.manifest: Manifest = plan_manifest(
+            hf_shapes.items(), dtype, bucket_bytes, fp32=frozenset(fp32)
         )
-        for url, workers in described.items():
-            check_manifest(manifest, workers[0]["tensors"], url)
-        offsets, size = {}, 1
-        for url, workers in described.items():
-            offsets[url] = size
-            size += len(workers)
+        self.timeout_s, self.host = timeout_s, host
+        self.group: SyncGroup | None = None
+        self.sending = ""
+
+    def connect(self, servers: Servers) -> None:
+        """Form the group: each server's workers join from ``/init_weight_transfer_engine``,
+        which checks the manifest against what it serves."""
+        sizes = servers.world_sizes()
+        size = 1
+        for url in servers.urls:
+            servers.offsets[url] = size
+            size += sizes[url]
         token = uuid.uuid4().hex
         store = SyncGroup.serve_store(self.host, size, self.timeout_s)
-        request = {
+        info = {
             "host": self.host,
             "port": store.port,
+            "rank_offset": 1,
             "world_size": size,
             "token": token,
-            "backend": self.backend,
             "timeout_s": self.timeout_s,
-            "manifest": manifest.to_json(),
+            "manifest": self.manifest.to_json(),
         }
-        with ThreadPoolExecutor(len(described), thread_name_prefix="sync-init") as pool:
-            futures = {
-                url: pool.submit(
-                    self.client.rpc,
-                    url,
-                    "gspo_init_sync",
-                    {**request, "rank_offset": offsets[url]},
-                    timeout=self.timeout_s,
+        with ThreadPoolExecutor(1, thread_name_prefix="sync-init") as pool:
+            init = pool.submit(servers.init_weight_transfer_engine, info)
+            try:
+                self.group = SyncGroup.join(
+                    host=self.host,
+                    port=store.port,
+                    rank=0,
+                    world_size=size,
+                    token=token,
+                    backend="gloo",
+                    timeout_s=self.timeout_s,
+                    store=store,
                 )
-                for url in described
-            }
-            group = SyncGroup.join(
-                host=self.host,
-                port=store.port,
-                rank=0,
-                world_size=size,
-                token=token,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-                store=store,
-            )
-            for url, f in futures.items():
-                try:
-                    f.result(timeout=self.timeout_s)
-                except Exception as e:
-                    raise WeightSyncError(
-                        f"vLLM server {url} did not join the sync group: {e}"
-                    ) from e
-        self.group, self.manifest = group, manifest
+            finally:
+                # A server that refused the manifest says why here.
+                init.result(timeout=self.timeout_s)
         log.info(
-            "weight sync group: %d server(s), %d worker(s), %d bucket(s) of <= %.0f MB, %s",
-            len(described),
+            "weight sync group: %d server(s), %d worker(s), %d bucket(s) of <= %.0f MB",
+            len(servers.urls),
             size - 1,
-            len(manifest.buckets),
-            self.bucket_bytes / 1e6,
-            self.backend,
+            len(self.manifest.buckets),
+            max(self.manifest.bucket_nbytes) / 1e6,
         )
 
-    def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        """Send one sync (consumes ``tensors``: HF name and full tensor, in model order)."""
-        if self.group is None:
-            self.connect()
-        assert self.group is not None and self.manifest is not None and self.dtype is not None
+    def send(self, servers: Servers, tensors, version: int) -> SyncReport:
         report = SyncReport(version=version, bytes=self.manifest.total_bytes)
-        start = time.perf_counter()
-        pool = ThreadPoolExecutor(len(self.client.urls), thread_name_prefix="sync")
-        futures = {
-            url: pool.submit(
-                self.client.rpc,
-                url,
-                "gspo_receive_weights",
-                {"version": version},
-                timeout=self.timeout_s,
-            )
-            for url in self.client.urls
-        }
-        try:
-            self._send(tensors, report)
-            report.workers = {url: f.result(timeout=self.timeout_s) for url, f in futures.items()}
-        except BaseException as e:
-            self.group = None
-            raise self._failure(e, futures) from e
-        finally:
-            pool.shutdown(wait=False)
-        for url, workers in report.workers.items():
-            held = {w.get("version") for w in workers}
-            if held != {version}:
-                raise WeightSyncError(
-                    f"vLLM server {url} reports weights version(s) {sorted(map(str, held))} "
-                    f"after sync {version}"
-                )
-        loads = [w.get("load_s", 0.0) for ws in report.workers.values() for w in ws]
-        report.server_load_s = max(loads, default=0.0)
-        report.total_s = time.perf_counter() - start
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(1, thread_name_prefix="sync-update") as pool:
+            # Returns once every worker has loaded the last bucket.
+            update = pool.submit(servers.update_weights, {})
+            try:
+                self._send(tensors, report)
+            except BaseException:
+                # The servers give up on the missing buckets at their timeout; the trainer's
+                # own failure is the one to report.
+                with contextlib.suppress(Exception):
+                    update.result(timeout=self.timeout_s)
+                raise
+            update.result(timeout=self.timeout_s)
+        report.server_s = time.perf_counter() - t0
         return report
 
-    def _send(self, tensors: Iterator[tuple[str, torch.Tensor]], report: SyncReport) -> None:
+    def _send(self, tensors, report: SyncReport) -> None:
         """Pack and broadcast bucket by bucket; two send buffers alternate, so bucket k+1 is
-        gathered and packed while bucket k is on the wire (and no bucket pays for touching
-        fresh memory: receivers need fresh buffers, senders do not)."""
+        gathered and packed while bucket k is on the wire."""
         group, manifest = self.group, self.manifest
+        assert group is not None
         size = max(manifest.bucket_nbytes)
         buffers = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(2)]
         inflight: list = [None, None]
-        self._sending = ""
+        self.sending = ""
         for k, entries in enumerate(manifest.buckets):
             slot = k % 2
             if inflight[slot] is not None:
@@ -281,73 +270,123 @@ class CollectiveSync:
                 report.gather_s += t1 - t0
                 report.pack_s += time.perf_counter() - t1
             n = len(manifest.buckets)
-            self._sending = f"bucket {k + 1}/{n} ({entries[0].name} .. {entries[-1].name})"
+            self.sending = f"bucket {k + 1}/{n} ({entries[0].name} .. {entries[-1].name})"
             inflight[slot] = group.broadcast(buf)
         t0 = time.perf_counter()
         for work in inflight:
             if work is not None:
                 work.wait()
         report.transport_s += time.perf_counter() - t0
-
-    def _failure(self, error: BaseException, futures) -> WeightSyncError:
-        """Name the servers that failed (their HTTP calls tell which) and the bucket in flight."""
-        problems = []
-        for url, f in futures.items():
-            try:
-                f.result(timeout=10)
-            except FutureTimeout:
-                problems.append(f"{url}: no answer")
-            except (VLLMRequestError, VLLMUnavailableError) as e:
-                problems.append(str(e))
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                problems.append(f"{url}: {type(e).__name__}: {e}")
-        where = getattr(self, "_sending", "") or "before the first bucket"
-        servers = "; ".join(problems) or "no server reported an error"
-        return WeightSyncError(
-            f"weight sync failed while sending {where}: {type(error).__name__}: {error} "
-            f"[servers: {servers}]"
-        )
+        self.sending = ""
 
 
-class DiskSync:
-    """Rank 0 writes a Hugging Face checkpoint that every server reloads."""
+class DiskTransport:
+    """``gspo`` from the trainer, by disk: rank 0 writes a Hugging Face checkpoint that every
+    server reads."""
 
-    def __init__(self, client: VLLMClient, model_config, sync_dir: str | Path) -> None:
-        self.client = client
-        self.model_config = model_config
+    def __init__(self, model_config, sync_dir: str | Path, *, dtype: torch.dtype) -> None:
+        self.model_config, self.dtype = model_config, dtype
         self.sync_dir = Path(sync_dir)
         self.current: Path | None = None
+        self.sending = ""
 
-    def push(
-        self, tensors: Iterator[tuple[str, torch.Tensor]], version: int, dtype: torch.dtype
-    ) -> SyncReport:
+    def connect(self, servers: Servers) -> None:
+        servers.init_weight_transfer_engine({})
+
+    def send(self, servers: Servers, tensors, version: int) -> SyncReport:
         from megatron_gspo.rollout.vllm.export import write_hf_checkpoint
 
         start = time.perf_counter()
         target = self.sync_dir / f"step-{version:06d}"
         shutil.rmtree(target, ignore_errors=True)
-        write_hf_checkpoint(target, self.model_config, tensors, dtype=dtype)
+        self.sending = f"the checkpoint {target}"
+        write_hf_checkpoint(target, self.model_config, tensors, dtype=self.dtype)
         written = time.perf_counter()
         report = SyncReport(version=version, gather_s=written - start)
         report.bytes = sum(p.stat().st_size for p in target.glob("*.safetensors"))
-        with ThreadPoolExecutor(len(self.client.urls), thread_name_prefix="sync") as pool:
-            futures = {
-                url: pool.submit(
-                    self.client.rpc,
-                    url,
-                    "gspo_load_from_path",
-                    {"path": str(target), "version": version},
-                )
-                for url in self.client.urls
-            }
-            for url, f in futures.items():
-                try:
-                    report.workers[url] = f.result()
-                except Exception as e:
-                    raise WeightSyncError(f"vLLM server {url} failed to load {target}: {e}") from e
-        report.server_load_s = time.perf_counter() - written
+        servers.update_weights({"path": str(target)})
+        report.server_s = time.perf_counter() - written
         previous, self.current = self.current, target
         if previous is not None and previous != target:
             shutil.rmtree(previous, ignore_errors=True)
-        report.total_s = time.perf_counter() - start
+        self.sending = ""
         return report
+
+
+class MegatronSource:
+    """The policy's weights as vLLM's trainer engines read them (their ``WeightSource``):
+    ``metadata()`` names, dtypes and shapes in send order; iterating yields the full tensors
+    under HF names on rank 0 (the stream the trainer gathers)."""
+
+    def __init__(self, hf_shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]):
+        self.hf_shapes, self.dtypes = hf_shapes, dtypes
+        self.tensors: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, self.dtypes[n], tuple(s)) for n, s in self.hf_shapes.items()]
+
+    def __iter__(self):
+        assert self.tensors is not None, "MegatronSource: no sync in progress"
+        for name, tensor in self.tensors:
+            yield name, tensor.to(self.dtypes[name])
+
+
+class NcclTransport:
+    """``nccl`` (GPUs): vLLM's own NCCL engine and trainer side; never run here."""
+
+    def __init__(self, source: MegatronSource, *, timeout_s: float, host: str) -> None:
+        self.source, self.timeout_s, self.host = source, timeout_s, host
+        self.engine = None
+        self.sending = ""
+
+    def connect(self, servers: Servers) -> None:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        from megatron_gspo.runtime.procs import free_port
+
+        sizes = servers.world_sizes()
+        size = 1
+        for url in servers.urls:
+            servers.offsets[url] = size
+            size += sizes[url]
+        info = NCCLTrainerInitInfo(
+            master_address=self.host, master_port=free_port(), world_size=size, rank=0
+        )
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=_NoStart(servers), source=self.source
+        )
+
+    def send(self, servers: Servers, tensors, version: int) -> SyncReport:
+        report = SyncReport(version=version)
+        start = time.perf_counter()
+        self.source.tensors, self.sending = tensors, "the NCCL broadcast"
+        try:
+            self.engine.send_weights()
+        finally:
+            self.source.tensors = None
+        report.server_s = report.transport_s = time.perf_counter() - start
+        self.sending = ""
+        return report
+
+
+class _NoStart:
+    """The servers, minus what :class:`WeightSync` does itself around vLLM's ``send_weights``
+    (which starts and finishes the update): starting and finishing are left to the driver."""
+
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.servers.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        self.servers.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass

@@ -1,8 +1,7 @@
 """The wire of the in-memory weight sync: a manifest of flat buckets and a process group.
 
-Both ends import this module: the trainer's sending rank (:mod:`.sync`) and the worker
-extension inside every vLLM server (:mod:`.extension`). It needs torch only, so the server side
-stays light.
+Both ends import this module: the trainer's sending rank (:mod:`.sync`) and the weight transfer
+engine inside every vLLM server (:mod:`.engines`).
 
 Manifest
     The Hugging Face tensors of one sync, in the order they are sent, packed into buckets of at
@@ -99,6 +98,19 @@ class Manifest:
             for bucket in raw["buckets"]
         )
         return cls(buckets, tuple(int(n) for n in raw["bucket_nbytes"]))
+
+
+def expected_shapes(served: dict[str, list]) -> dict[str, tuple[int, ...]]:
+    """The shapes a server expects under the names the trainer sends, from its checkpoint's
+    ``{name: [shape, dtype]}``: per-expert names where it stores experts fused (the layout of
+    transformers 5)."""
+    from megatron_gspo.weights.hf import split_fused_experts
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, (shape, _dtype) in served.items():
+        for n, t in split_fused_experts(name, torch.empty(shape, device="meta")):
+            shapes[n] = tuple(t.shape)
+    return shapes
 
 
 def _round_up(n: int, multiple: int) -> int:
