@@ -232,14 +232,22 @@ def preflight(size: str, recipe: str | None, json_out: str | None) -> None:
     import json
     from pathlib import Path
 
+    from megatron_gspo.preflight.report import Report
     from megatron_gspo.preflight.run import PreflightError, run_preflight
 
     loaded = load_recipe(recipe) if recipe else None  # a bad recipe: the one-line handler
+
+    def written(report: Report, part) -> None:
+        # Each part as it ends, and the JSON so far: a later timeout keeps what ran.
+        click.echo(Report.part_rows(part))
+        if json_out:
+            Path(json_out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+    click.echo(Report.TABLE_HEAD)
     try:
-        report = run_preflight(size, recipe=loaded)
+        report = run_preflight(size, recipe=loaded, on_part=written)
     except PreflightError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(report.table())
     if json_out:
         Path(json_out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     click.echo(report.summary())

@@ -85,8 +85,10 @@ class SegmentAttention(MegatronModule):
         if cp_size > 1:
             # A padded batch: each row is one sequence, split like a one-segment THD row.
             bounds = [0, query.shape[0] * cp_size]
-            q_pos = cp_segment_positions(bounds, cp_size, cp_rank)
-            k_pos = torch.cat([cp_segment_positions(bounds, cp_size, r) for r in range(cp_size)])
+            q_pos = cp_segment_positions(bounds, cp_size, cp_rank).to(query.device)
+            k_pos = torch.cat(
+                [cp_segment_positions(bounds, cp_size, r) for r in range(cp_size)]
+            ).to(query.device)
             key, value = self._gather(key), self._gather(value)
             return self._attend(query, key, value, k_pos[None, :] > q_pos[:, None])
         if attention_mask is None:
@@ -105,7 +107,10 @@ class SegmentAttention(MegatronModule):
         padded = params.cu_seqlens_q_padded
         bounds = (params.cu_seqlens_q if padded is None else padded).tolist()
         local = [b // cp_size for b in bounds]
-        positions = [cp_segment_positions(bounds, cp_size, r) for r in range(cp_size)]
+        # The mask is built where the scores are (a GPU's), from positions computed on the host.
+        positions = [
+            cp_segment_positions(bounds, cp_size, r).to(query.device) for r in range(cp_size)
+        ]
         t = query.shape[0]
         if cp_size > 1:
             key = self._gather(key).view(cp_size, t, *key.shape[1:])

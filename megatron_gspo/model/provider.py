@@ -240,6 +240,11 @@ def build_model(
         # would silently move a fractional rope_theta (100.5 -> 100 moved logits by 7e-2).
         rotary_base=model.rotary_base,
     )
+    if torch.cuda.is_available():
+        # As Megatron-LM's own get_model does: a module that leaves a parameter or buffer on
+        # the host at construction (found on an H200 with megatron-core 0.19: a bf16 one
+        # that its mixed-precision optimizer then refused) joins the others.
+        gpt.cuda(torch.cuda.current_device())
     # The tokenizer's vocabulary: ids from here to gpt.vocab_size are padding (weights/shards,
     # loss/logprobs and the engines leave them out).
     gpt.vocab_size_unpadded = model.vocab_size

@@ -4,7 +4,8 @@ with the same fields, and one summary line."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -45,17 +46,24 @@ class Report:
     size: str
     device: str = "cpu"  # the name the summary line gives the device
     parts: dict[str, Part] = field(default_factory=dict)
+    # Called with each part as it ends: the command line writes it out at once, so a node
+    # that hangs or a time limit that strikes later keeps what was measured.
+    on_part: Callable[[Report, Part], None] | None = None
 
     @contextmanager
     def part(self, name: str) -> Iterator[Part]:
         """Run a part: ``Skip`` marks it skipped, any other exception failed (one line)."""
         part = self.parts[name] = Part(name)
+        print(f"preflight: {name} ...", file=sys.stderr, flush=True)
         try:
             yield part
         except Skip as e:
             part.status, part.reason, part.figures = "skipped", str(e), {}
         except Exception as e:  # noqa: BLE001 - a preflight reports what broke and goes on
             part.status, part.reason = "failed", f"{type(e).__name__}: {one_line(e)}"
+        finally:
+            if self.on_part is not None:
+                self.on_part(self, part)
 
     def rows(self) -> Iterator[tuple[str, str, object]]:
         for part in self.parts.values():
@@ -63,10 +71,16 @@ class Report:
             for key, value in part.figures.items():
                 yield part.name, key, value
 
+    TABLE_HEAD = "| part | field | value |\n| --- | --- | --- |"
+
     def table(self) -> str:
-        lines = ["| part | field | value |", "| --- | --- | --- |"]
-        lines += [f"| {p} | {k} | {_fmt(v)} |" for p, k, v in self.rows()]
-        return "\n".join(lines)
+        return "\n".join([self.TABLE_HEAD, *(self.part_rows(p) for p in self.parts.values())])
+
+    @staticmethod
+    def part_rows(part: Part) -> str:
+        rows = [(part.name, "status", part.status_text)]
+        rows += [(part.name, k, v) for k, v in part.figures.items()]
+        return "\n".join(f"| {p} | {k} | {_fmt(v)} |" for p, k, v in rows)
 
     def to_json(self) -> dict:
         parts = {}

@@ -7,12 +7,14 @@ slice is built, and the FP8 slice after the bf16 one is freed: each takes the GP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_gspo.config import ParallelConfig, Recipe
 from megatron_gspo.preflight import env
 from megatron_gspo.preflight.measure import copy_gbps, logprobs_vs_naive, matmul_tflops
-from megatron_gspo.preflight.report import FP8_STEP, LOGPROBS, STEP, Report, Skip
+from megatron_gspo.preflight.report import FP8_STEP, LOGPROBS, STEP, Part, Report, Skip
 from megatron_gspo.preflight.sizes import (
     QWEN3_30B_A3B_LAYERS,
     SIZES,
@@ -73,8 +75,14 @@ def _check_memory(size: Size, choice: LayerChoice, device: torch.device) -> None
         )
 
 
-def run_preflight(size_name: str, *, recipe: Recipe | None = None) -> Report:
-    """Every part at ``size_name``; what failed is in the report, not raised."""
+def run_preflight(
+    size_name: str,
+    *,
+    recipe: Recipe | None = None,
+    on_part: Callable[[Report, Part], None] | None = None,
+) -> Report:
+    """Every part at ``size_name``; what failed is in the report, not raised. ``on_part`` is
+    called with each part as it ends."""
     size = SIZES[size_name]
     if size.gpu is not None and not torch.cuda.is_available():
         raise PreflightError(
@@ -82,7 +90,7 @@ def run_preflight(size_name: str, *, recipe: Recipe | None = None) -> Report:
             "--size tiny runs the parts a CPU can"
         )
     device = _device()
-    report = Report(size_name)
+    report = Report(size_name, on_part=on_part)
     report.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with report.part("environment") as part:
         part.figures.update(env.device_summary(device))
@@ -141,7 +149,7 @@ def _slice_parts(report: Report, size: Size, device, matmul: float, fp8_ok, fp8_
     bf16_seconds = float("nan")
     try:
         with report.part(STEP) as part:
-            choice = fitting_layers(size)
+            choice = fitting_layers(size, local_attention=layer_spec() == "local")
             recipe = slice_recipe(size, choice.layers)
             part.figures.update(_describe(recipe, size, choice))
             part.figures["layer spec"] = layer_spec()
@@ -149,12 +157,16 @@ def _slice_parts(report: Report, size: Size, device, matmul: float, fp8_ok, fp8_
             groups = init_parallel(ParallelConfig())
             samples = rollout_batch(size, recipe.model.vocab_size)
             bf16 = SliceStep(recipe, groups)
-            part.figures.update(bf16.run(samples, repeats=size.repeats, matmul_tflops=matmul))
+            # Megatron's local layers run the slice's 128 experts one after another and its
+            # attention sequence by sequence: on an H200 a warm-up and 3 steps took over 4
+            # minutes, so one timed step there.
+            repeats = size.repeats if part.figures["layer spec"] != "local" else 1
+            part.figures.update(bf16.run(samples, repeats=repeats, matmul_tflops=matmul))
             bf16_seconds = part.figures["step s"]
         with report.part("embedded engine") as part:
             if bf16 is None:
                 raise Skip(f"no policy: the {STEP} part did not build one")
-            part.figures.update(bf16.decode(size, repeats=size.repeats))
+            part.figures.update(bf16.decode(size, repeats=repeats))
         if bf16 is not None:
             bf16.close()
             bf16 = None

@@ -144,9 +144,22 @@ class LayerChoice:
     capacity_gib: float
 
 
-def fitting_layers(size: Size) -> LayerChoice:
+def local_attention_bytes(size: Size) -> int:
+    """What the local layers' attention (no Transformer Engine) keeps per layer for backward
+    beyond the plan's fused-attention estimate: each sequence's fp32 softmax and its bf16 copy,
+    heads x length^2 x 6 bytes, for one micro-batch's sequences (one micro-batch is in flight
+    at a time on one rank)."""
+    m = size.shape
+    length = size.prompt_len + size.response_len
+    per_micro = max(1, size.micro_batch_tokens // length)
+    return m["num_attention_heads"] * length**2 * 6 * per_micro
+
+
+def fitting_layers(size: Size, *, local_attention: bool = False) -> LayerChoice:
     """The most layers (up to the full model's) whose bf16 step, by ``plan_memory`` on one
-    GPU of ``size.gpu``, plus FP8 weight copies, fits the GPU."""
+    GPU of ``size.gpu``, plus FP8 weight copies, fits the GPU; ``local_attention``: plus what
+    the local layers' attention keeps (:func:`local_attention_bytes`), where Transformer
+    Engine is absent."""
     if size.gpu is None:
         return LayerChoice(size.layers, float("nan"), float("nan"))
     best = None
@@ -155,6 +168,8 @@ def fitting_layers(size: Size) -> LayerChoice:
         plan = plan_memory(recipe, nodes=1, gpus_per_node=1, gpu=size.gpu)
         layer_params = sum(x.total for x in count_parameters(recipe.model).layers)
         total = plan.total + FP8_BYTES_PER_LAYER_PARAM * layer_params
+        if local_attention:
+            total += layers * local_attention_bytes(size)
         if total > plan.capacity:
             break
         best = LayerChoice(layers, total / GIB, plan.capacity / GIB)
