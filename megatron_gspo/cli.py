@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
@@ -74,11 +75,21 @@ def validate(recipe: str, no_extras_check: bool, output_dir: str | None) -> None
     or a reward module is not installed, an input file is missing, the run directory cannot be
     written: a GPU recipe checked on a laptop)."""
     from megatron_gspo.model import check_layout
-    from megatron_gspo.run.checks import checkpoint_problem, find_problems
+    from megatron_gspo.run.checks import checkpoint_problem, find_problems, python_tool
     from megatron_gspo.run.recipe import missing_inputs
 
     r = load_recipe(recipe)
     check_layout(r.model, r.parallel)
+    tool = None
+    if not no_extras_check:
+        from pydantic import ValidationError
+
+        with contextlib.suppress(ValidationError):  # find_problems names what is wrong
+            tool = python_tool(r)
+    if tool is not None:
+        click.echo(
+            f"{recipe}: {tool[0]}" + (f" (not here: {tool[1]})" if tool[1] else " (works here)")
+        )
     run_dir = output_dir or r.run.output_dir
     found = find_problems(r, run_dir)
     found += [p for p in [checkpoint_problem(r, run_dir)] if p is not None]

@@ -4,19 +4,16 @@ failure is an error observation the model reads."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 
 import pytest
 
 from megatron_gspo.episodes.environment import EnvironmentPool
-from megatron_gspo.episodes.sandbox import network_isolation, run_python
+from megatron_gspo.episodes.sandbox import PythonToolConfig, run_python, sandbox_problem
 from megatron_gspo.episodes.tool_env import ToolCalling, parse_tool_calls
 from megatron_gspo.episodes.tools import ToolError, calculator
 
-needs_isolation = pytest.mark.skipif(
-    network_isolation() is not None, reason=f"no network namespace here: {network_isolation()}"
-)
+_WHY = sandbox_problem(PythonToolConfig())
+needs_isolation = pytest.mark.skipif(_WHY is not None, reason=f"no sandbox here: {_WHY}")
 
 
 def call(name: str, **arguments) -> str:
@@ -47,29 +44,14 @@ def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, why):
 
 
 @needs_isolation
-def test_python_runs_code_with_no_network_and_bounded_resources():
+def test_python_runs_code_with_bounded_resources():
+    """The attacks are in tests/test_sandbox.py; here the limits the recipe sets."""
     assert run_python("print(sum(range(10)))").output.strip() == "45"
-    # A server on this machine, listening: the sandbox cannot reach even loopback's.
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-    accepted: list = []
-    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
-    code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"
-    result = run_python(code)
-    server.close()
-    # Its namespace has not even a loopback that is up.
-    assert not result.ok and "unreachable" in result.output, result.output
-    assert not accepted, "the sandboxed code reached a server on the host"
-    fetch = "import urllib.request; urllib.request.urlopen('http://1.1.1.1', timeout=2)"
-    result = run_python(fetch)
-    assert not result.ok and "unreachable" in result.output, result.output
-    hog = run_python("x = bytearray(2 ** 33)", memory_mb=256)
+    hog = run_python("x = bytearray(2 ** 33)", PythonToolConfig(memory_mb=256))
     assert not hog.ok and "MemoryError" in hog.output, hog.output
-    spin = run_python("while True: pass", timeout_s=1)
+    spin = run_python("while True: pass", PythonToolConfig(timeout_s=1))
     assert not spin.ok and "timed out after 1 s" in spin.output
-    long = run_python("print('a' * 5000)", max_output_chars=100)
+    long = run_python("print('a' * 5000)", PythonToolConfig(max_output_chars=100))
     assert long.ok and len(long.output) < 150 and "chars cut" in long.output
 
 

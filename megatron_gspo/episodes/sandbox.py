@@ -1,37 +1,86 @@
-"""Running a model's Python code: a separate process with a wall-clock limit, a memory limit
-and no network.
+"""Running a model's Python code where it can reach nothing it mustn't.
 
-The code runs in a fresh interpreter (``python -I``: no user site, no environment variables
-of ours) in an empty temporary directory, in a session of its own so that a timeout kills
-everything it started. Before it starts, the child process:
+Code a model writes under RL is an adversary's code: a policy finds any path to its reward
+(reading a data file's answers, rewriting a checkpoint, killing a sibling). The ``python``
+tool therefore runs it in one of (``rollout.multi_turn.env_kwargs.python``, validated as
+:class:`PythonToolConfig`):
 
-- enters a network namespace of its own with no interface but loopback (``unshare``; as root
-  ``CLONE_NEWNET``, otherwise within a new user namespace): nothing outside can be reached.
-  Where the kernel allows neither, the code is not run at all and the call fails, naming why;
-- limits its address space (``RLIMIT_AS``), CPU seconds, file size and open files.
+``backend: local`` (the default), inside bubblewrap (``bwrap``, Debian's ``bubblewrap``)
+    A fresh interpreter (``python -I``) that sees a read-only view of what it needs (``/usr``,
+    ``/lib``, the interpreter's prefix, the ``packages`` the recipe lets it import) and nothing
+    else of the machine: not the checkout, the data, the run directory or ``/home``; a private
+    writable scratch directory as its working directory and a private ``/tmp``; its own PID
+    namespace (no other process visible or reachable), no network (not even the host's
+    loopback), no capabilities, ``--die-with-parent``. Where the trainer runs as root, bwrap is
+    started as an unprivileged uid of its own (the code owns nothing on the host, and the
+    process limit counts its processes alone). Limits: wall clock (the whole sandbox is killed),
+    memory (address space), CPU seconds, file size, processes, output.
+``backend: http``
+    A SandboxFusion-compatible code-execution service (its ``POST /run_code``), for clusters
+    whose trainer nodes must not run model code at all (:mod:`.sandbox_http`).
 
-What comes back is stdout and stderr, each cut to ``max_output_chars`` (stdout's start,
-stderr's end, where a traceback says what went wrong). This is a sandbox
-against accidents and runaway code (an infinite loop, a memory bomb, a download), not against
-an adversary with kernel exploits: run untrusted models' code on machines you can afford to
-lose, as for any RL-with-code setup.
+Where bwrap is missing or the kernel refuses its namespaces, the tool runs nothing: every call
+is an error observation naming why and what to install. ``sandbox: unsafe_local`` runs the code
+anyway with the old protections only (a private network namespace, rlimits; the filesystem and
+processes in view), with a warning on every run.
+
+What this promises: the code cannot read, write or signal anything of the host beyond its
+scratch directory and the read-only system files an interpreter needs, cannot reach the network,
+and cannot outlive its deadline or exceed its limits. What it does not: a kernel exploit
+(bwrap's namespaces are the kernel's), side channels, or the CPU time of other jobs on the node.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-__all__ = ["PythonResult", "network_isolation", "run_python"]
+from pydantic import BaseModel, ConfigDict, Field
 
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
+__all__ = [
+    "PythonResult",
+    "PythonToolConfig",
+    "run_python",
+    "sandbox_problem",
+]
+
+
+class PythonToolConfig(BaseModel):
+    """``rollout.multi_turn.env_kwargs.python``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["local", "http"] = "local"
+    # local: bwrap, or the old protections alone (a warning on every run).
+    sandbox: Literal["bwrap", "unsafe_local"] = "bwrap"
+    # http: the service's base URL (POST {url}/run_code), and the environment variable holding
+    # its bearer token, if it wants one.
+    url: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(512, ge=64)
+    file_size_mb: int = Field(16, ge=1)
+    max_processes: int = Field(32, ge=1)
+    max_output_chars: int = Field(1000, ge=1)
+    # Modules of this environment the code may import (bound read-only), e.g. [numpy, sympy].
+    packages: list[str] = []
+    # The interpreter inside the sandbox (default: /usr/bin/python3 where the trainer runs as
+    # root, which an unprivileged uid can read; else this interpreter's base).
+    interpreter: str | None = None
+
+    def model_post_init(self, _context) -> None:
+        if self.backend == "http" and not self.url:
+            raise ValueError("rollout.multi_turn.env_kwargs.python: backend http needs url")
 
 
 @dataclass(frozen=True)
@@ -41,93 +90,244 @@ class PythonResult:
     seconds: float
 
 
-def _unshare_network() -> str | None:
-    """Move this (single-threaded, freshly forked) process into a network namespace of its
-    own; None when done, else why not."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for flags in (_CLONE_NEWNET, _CLONE_NEWUSER | _CLONE_NEWNET):
-        if libc.unshare(flags) == 0:
-            return None
-    return os.strerror(ctypes.get_errno())
+def run_python(code: str, config: PythonToolConfig | None = None) -> PythonResult:
+    """Run ``code``; ``ok`` is False for a non-zero exit, a timeout, a limit, or no sandbox."""
+    config = config or PythonToolConfig()
+    if config.backend == "http":
+        from megatron_gspo.episodes.sandbox_http import run_remote
+
+        return run_remote(code, config)
+    if config.sandbox == "unsafe_local":
+        return _run(code, config, _unsafe_command, isolated=False)
+    why = sandbox_problem(config)
+    if why is not None:
+        return PythonResult(False, f"python is unavailable here: {why}", 0.0)
+    return _run(code, config, _bwrap_command, isolated=True)
 
 
-_isolation: str | None = "unknown"
+# -- is the sandbox there? ---------------------------------------------------------------------
+
+_probed: dict[tuple, str | None] = {}
 
 
-def network_isolation() -> str | None:
-    """Whether code can be run without network here: None if so, else the reason (checked
-    once, in a throwaway child)."""
-    global _isolation
-    if _isolation == "unknown":
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0 if _unshare_network() is None else 1)
-        _, status = os.waitpid(pid, 0)
-        _isolation = None if os.waitstatus_to_exitcode(status) == 0 else (
-            "the kernel refuses a private network namespace (unshare CLONE_NEWNET, also "
-            "within a user namespace)"
-        )  # fmt: skip
-    return _isolation
+def sandbox_problem(config: PythonToolConfig) -> str | None:
+    """Why the local sandbox cannot run code here (None: it can), checked once per setup by
+    running ``print(1)`` in it."""
+    if config.backend != "local" or config.sandbox != "bwrap":
+        return None
+    key = (config.interpreter, tuple(config.packages))
+    if key not in _probed:
+        _probed[key] = _probe(config)
+    return _probed[key]
 
 
-def _limits(memory_mb: int, cpu_s: int):
+def _probe(config: PythonToolConfig) -> str | None:
+    if shutil.which("bwrap") is None:
+        return (
+            "bubblewrap (bwrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap); "
+            "or run model code remotely (env_kwargs.python.backend: http)"
+        )
+    try:
+        _interpreter(config)
+        _package_binds(config.packages)
+    except ValueError as e:
+        return str(e)
+    result = _run("print(1)", config.model_copy(update={"timeout_s": 30.0}), _bwrap_command, True)
+    if result.ok and result.output.strip() == "1":
+        return None
+    return (
+        f"bwrap cannot start a sandbox here ({result.output.strip()[-300:]}): the kernel may "
+        "refuse unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone, "
+        "user.max_user_namespaces)"
+    )
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def _interpreter(config: PythonToolConfig) -> str:
+    path = config.interpreter
+    if path is None:
+        base = getattr(sys, "_base_executable", sys.executable)
+        path = (
+            "/usr/bin/python3" if os.geteuid() == 0 and Path("/usr/bin/python3").exists() else base
+        )
+    real = os.path.realpath(path)
+    if not os.access(real, os.X_OK):
+        raise ValueError(f"env_kwargs.python.interpreter {path!r} is not an executable file")
+    return real
+
+
+def _package_binds(packages: list[str]) -> list[tuple[str, str]]:
+    """(host directory, sandbox directory) of each package (and its bundled libraries)."""
+    binds = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"env_kwargs.python.packages: {name!r} is not a package here")
+        src = Path(next(iter(spec.submodule_search_locations)))
+        binds.append((str(src), f"/packages/{name}"))
+        libs = src.parent / f"{name}.libs"  # wheels' vendored shared libraries
+        if libs.is_dir():
+            binds.append((str(libs), f"/packages/{name}.libs"))
+    return binds
+
+
+# Started inside the sandbox: the packages on the path, then the model's code (a file in the
+# scratch directory, so a traceback names its lines).
+_BOOT = (
+    "import sys; sys.path.insert(0, '/packages'); "
+    "exec(compile(open('main.py').read(), 'main.py', 'exec'))"
+)
+
+
+def _bwrap_command(config: PythonToolConfig, scratch: str) -> list[str]:
+    python = _interpreter(config)
+    prefix = str(Path(python).parent.parent)
+    cmd = ["bwrap"]
+    for path in ("/usr", "/lib", "/lib64", "/bin", "/etc/alternatives"):
+        if Path(path).exists():
+            cmd += ["--ro-bind", path, path]
+    if not prefix.startswith("/usr"):
+        cmd += ["--ro-bind", prefix, prefix]
+    for src, dst in _package_binds(config.packages):
+        cmd += ["--ro-bind", src, dst]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    cmd += ["--bind", scratch, "/scratch", "--chdir", "/scratch"]
+    cmd += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    cmd += ["--clearenv", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin"]
+    cmd += ["--setenv", "PYTHONIOENCODING", "utf-8"]
+    return [*cmd, python, "-I", "-c", _BOOT]
+
+
+def _unsafe_command(config: PythonToolConfig, scratch: str) -> list[str]:
+    return [sys.executable, "-I", "-c", _BOOT]
+
+
+# The uid code runs as where the trainer is root: one of its own per worker process, so that it
+# owns nothing on the host and the process limit counts the sandbox's processes alone.
+_UID_BASE = 200_000
+
+
+def _own_uid() -> int:
+    return _UID_BASE + os.getpid() % 50_000
+
+
+def _preexec(config: PythonToolConfig, isolated: bool, uid: int):
+    memory = config.memory_mb * 2**20
+    cpu = max(1, int(config.timeout_s) + 1)
+    size = config.file_size_mb * 2**20
+
     def apply() -> None:
-        why = _unshare_network()
-        if why is not None:
-            os._exit(97)
-        mem = memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
+        if not isolated:
+            from megatron_gspo.episodes.netns import unshare_network
+
+            if unshare_network() is not None:
+                os._exit(97)
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        if isolated and os.geteuid() == 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (config.max_processes, config.max_processes))
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        elif isolated:
+            # Not root: the limit counts this user's processes too; leave room for them.
+            mine = _processes_of(os.getuid()) + config.max_processes
+            resource.setrlimit(resource.RLIMIT_NPROC, (mine, mine))
 
     return apply
 
 
-def _cut(text: str, limit: int, *, keep_end: bool = False) -> str:
-    """At most ``limit`` characters of ``text``: its start, or its end (a traceback's last
-    lines say what went wrong)."""
-    if len(text) <= limit:
-        return text
-    cut = f"[{len(text) - limit} chars cut]"
-    return f"{cut} ...{text[-limit:]}" if keep_end else f"{text[:limit]}... {cut}"
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                count += os.stat(f"/proc/{entry}").st_uid == uid
+            except OSError:
+                pass
+    return count
 
 
-def run_python(
-    code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 1000
-) -> PythonResult:
-    """Run ``code``; ``ok`` is False for a non-zero exit, a timeout, or no isolation."""
-    why = network_isolation()
-    if why is not None:
-        return PythonResult(False, f"python is unavailable here: {why}", 0.0)
+# -- running it ---------------------------------------------------------------------------------
+
+
+class _Capped:
+    """Reads a pipe to its end, keeping at most ``limit`` bytes: the first ones, or the last
+    (a traceback's end says what went wrong); the rest is counted and dropped, so an output
+    flood costs nothing but its reading."""
+
+    def __init__(self, pipe, limit: int, *, keep_end: bool) -> None:
+        self.kept, self.total, self.limit, self.keep_end = b"", 0, limit, keep_end
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe) -> None:
+        while chunk := pipe.read(65536):
+            self.total += len(chunk)
+            if self.keep_end:
+                self.kept = (self.kept + chunk)[-self.limit :]
+            elif len(self.kept) < self.limit:
+                self.kept += chunk[: self.limit - len(self.kept)]
+
+    def text(self) -> str:
+        self.thread.join(timeout=5)
+        text = self.kept.decode(errors="replace")
+        cut = self.total - len(self.kept)
+        if cut <= 0:
+            return text
+        return f"[{cut} bytes cut] ...{text}" if self.keep_end else f"{text}... [{cut} bytes cut]"
+
+
+def _run(code: str, config: PythonToolConfig, command, isolated: bool) -> PythonResult:
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gspo-python-") as cwd:
+    uid = _own_uid()  # here: the child's pid is another
+    with tempfile.TemporaryDirectory(prefix="gspo-python-") as scratch:
+        Path(scratch, "main.py").write_text(code)
+        if isolated and os.geteuid() == 0:
+            os.chown(scratch, uid, uid)
+            os.chown(Path(scratch, "main.py"), uid, uid)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", code],
-            cwd=cwd,
-            env={"PATH": "/usr/bin:/bin", "HOME": cwd, "PYTHONIOENCODING": "utf-8"},
+            command(config, scratch),
+            cwd=scratch,
+            env={"PATH": "/usr/bin:/bin", "HOME": scratch, "PYTHONIOENCODING": "utf-8"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_limits(memory_mb, max(1, int(timeout_s) + 1)),
+            preexec_fn=_preexec(config, isolated, uid),
         )
+        limit = 4 * config.max_output_chars
+        out = _Capped(proc.stdout, limit, keep_end=False)
+        err = _Capped(proc.stderr, limit, keep_end=True)
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            proc.wait(timeout=config.timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
-            proc.communicate()
-            seconds = time.monotonic() - start
-            return PythonResult(False, f"timed out after {timeout_s:g} s (killed)", seconds)
+            proc.wait()
+            return PythonResult(
+                False, f"timed out after {config.timeout_s:g} s (killed)", time.monotonic() - start
+            )
+        finally:
+            text, errors = out.text(), err.text()
     seconds = time.monotonic() - start
-    text = out.decode(errors="replace")
-    errors = err.decode(errors="replace")
-    if proc.returncode == 97:
+    if proc.returncode == 97 and not isolated:
         return PythonResult(False, "python is unavailable here: no network isolation", seconds)
     if proc.returncode < 0:
         errors += f"\nkilled by signal {-proc.returncode} (memory or CPU limit?)"
-    body = _cut(text, max_output_chars)
+    return PythonResult(proc.returncode == 0, observation_text(text, errors, config), seconds)
+
+
+def observation_text(text: str, errors: str, config: PythonToolConfig) -> str:
+    """stdout's start and stderr's end, each at most ``max_output_chars``."""
+    n = config.max_output_chars
+    body = text if len(text) <= n else f"{text[:n]}... [{len(text) - n} chars cut]"
     if errors.strip():
-        tail = _cut(errors.strip(), max_output_chars, keep_end=True)
+        tail = errors.strip()
+        if len(tail) > n:
+            tail = f"[{len(tail) - n} chars cut] ...{tail[-n:]}"
         body += ("\n" if body else "") + "stderr:\n" + tail
-    return PythonResult(proc.returncode == 0, body, seconds)
+    return body

@@ -15,8 +15,9 @@ reads, counted in ``tool_errors``; it never ends the episode or the run. A turn 
 is the model's answer: the episode is done, and ``reward.functions`` score that turn.
 
 ``env_kwargs``: ``tools`` (names: ``calculator``, ``python``, or ``package.module:function``;
-the model calls a user tool by its function name), ``python`` (the python tool's
-``timeout_s``, ``memory_mb``, ``max_output_chars``), ``max_calls_per_turn``,
+the model calls a user tool by its function name), ``python`` (the python tool: its sandbox,
+``backend: local`` (bubblewrap) or ``http`` (a remote service), and its limits;
+:class:`~megatron_gspo.episodes.sandbox.PythonToolConfig`), ``max_calls_per_turn``,
 ``max_output_chars``.
 """
 

@@ -6,8 +6,9 @@ call failed, and the message becomes the observation the model sees. Built-ins:
 - ``calculator(expression)``: arithmetic on numbers (``+ - * / // % **``, parentheses,
   ``sqrt``, ``abs``, ``round``, ``min``, ``max``...), parsed, never ``eval``-ed, with bounds on
   the sizes it will compute;
-- ``python(code)``: the code run by :func:`megatron_gspo.episodes.sandbox.run_python`: a
-  separate process, wall-clock and memory limits, no network; its stdout (and stderr).
+- ``python(code)``: the code run by :func:`megatron_gspo.episodes.sandbox.run_python`: in a
+  sandbox that sees nothing of the machine but an interpreter and a scratch directory (or on a
+  remote code-execution service), with limits; its stdout (and stderr).
 
 Users add theirs by name: ``package.module:function``.
 """
@@ -15,14 +16,18 @@ Users add theirs by name: ``package.module:function``.
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import operator
+import os
 from collections.abc import Callable
 
-from megatron_gspo.episodes.sandbox import run_python
+from megatron_gspo.episodes.sandbox import PythonToolConfig, run_python
 from megatron_gspo.runtime.user_code import resolve
 
 __all__ = ["TOOLS", "ToolError", "calculator", "make_python_tool", "resolve_tool"]
+
+log = logging.getLogger(__name__)
 
 
 class ToolError(ValueError):
@@ -99,17 +104,22 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
-def make_python_tool(
-    *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 1000
-) -> Callable[..., str]:
-    """The ``python`` tool with the recipe's limits."""
+def make_python_tool(config: PythonToolConfig | dict | None = None) -> Callable[..., str]:
+    """The ``python`` tool with the recipe's sandbox and limits
+    (``rollout.multi_turn.env_kwargs.python``, :class:`~.sandbox.PythonToolConfig`)."""
+    if not isinstance(config, PythonToolConfig):
+        config = PythonToolConfig.model_validate(config or {})
+    if config.backend == "local" and config.sandbox == "unsafe_local":
+        log.warning(
+            "the python tool runs model code WITHOUT a sandbox (env_kwargs.python.sandbox: "
+            "unsafe_local): it sees this machine's files and processes as %s",
+            "root" if os.geteuid() == 0 else "this user",
+        )
 
     def python(code: str) -> str:
         if not isinstance(code, str):
             raise ToolError("code must be a string")
-        result = run_python(
-            code, timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars
-        )
+        result = run_python(code, config)
         if not result.ok:
             raise ToolError(result.output.strip() or "failed with no output")
         return result.output.strip()
@@ -117,12 +127,11 @@ def make_python_tool(
     return python
 
 
-TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": make_python_tool()}
+TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator, "python": make_python_tool}
 
 
 def resolve_tool(name: str, python: dict | None = None) -> Callable[..., str]:
-    """The tool ``name``; ``python`` holds the python tool's limits (timeout_s, memory_mb,
-    max_output_chars)."""
-    if name == "python" and python:
-        return make_python_tool(**python)
+    """The tool ``name``; ``python`` configures the python tool (its sandbox and limits)."""
+    if name == "python":
+        return make_python_tool(python)
     return resolve(name, TOOLS, key="rollout.multi_turn.env_kwargs.tools", what="tool")

@@ -92,7 +92,39 @@ def check_environment(recipe: Recipe, run_dir: Path) -> list[Problem]:
         check(multi.env, dict(multi.env_kwargs))
     except ValueError as e:
         return [Problem(str(e), here_only=_module_missing(multi.env))]
-    return []
+    return _python_tool_problems(recipe)
+
+
+def python_tool(recipe: Recipe) -> tuple[str, str | None] | None:
+    """Where the recipe's python tool runs, and why it cannot here (None: it can); None where
+    the recipe has no python tool."""
+    from megatron_gspo.episodes.sandbox import PythonToolConfig, sandbox_problem
+
+    multi = recipe.rollout.multi_turn
+    kwargs = dict(multi.env_kwargs) if multi is not None else {}
+    if multi is None or multi.env != "tools" or "python" not in kwargs.get("tools", ["python"]):
+        return None
+    config = PythonToolConfig.model_validate(kwargs.get("python") or {})
+    if config.backend == "http":
+        return f"the python tool runs on the service at {config.url}", None
+    if config.sandbox == "unsafe_local":
+        return "the python tool runs model code on this machine WITHOUT a sandbox", None
+    return "the python tool runs model code in a bubblewrap sandbox", sandbox_problem(config)
+
+
+def _python_tool_problems(recipe: Recipe) -> list[Problem]:
+    from pydantic import ValidationError
+
+    try:
+        found = python_tool(recipe)
+    except ValidationError as e:
+        errors = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors()
+        )
+        return [Problem(f"rollout.multi_turn.env_kwargs.python: {errors}")]
+    if found is None or found[1] is None:
+        return []
+    return [Problem(f"{found[0]}, which cannot run here: {found[1]}", here_only=True)]
 
 
 def _module_missing(name: str) -> bool:
