@@ -173,12 +173,20 @@ def _package_binds(packages: list[str]) -> list[tuple[str, str]]:
     return binds
 
 
-# Started inside the sandbox: the packages on the path, then the model's code (a file in the
-# scratch directory, so a traceback names its lines).
-_BOOT = (
-    "import sys; sys.path.insert(0, '/packages'); "
-    "exec(compile(open('main.py').read(), 'main.py', 'exec'))"
-)
+# Started inside the sandbox: the process limit (set here, inside bwrap's user namespace, where
+# the kernel counts the sandbox's processes alone; set outside, it would count every thread the
+# user runs), the packages on the path, then the model's code (a file in the scratch directory,
+# so a traceback names its lines).
+def _boot(max_processes: int | None) -> str:
+    limit = (
+        f"import resource; resource.setrlimit(resource.RLIMIT_NPROC, ({max_processes}, "
+        f"{max_processes})); "
+    )
+    return (
+        (limit if max_processes is not None else "")
+        + "import sys; sys.path.insert(0, '/packages'); "
+        + "exec(compile(open('main.py').read(), 'main.py', 'exec'))"
+    )
 
 
 def _bwrap_command(config: PythonToolConfig, scratch: str) -> list[str]:
@@ -197,11 +205,11 @@ def _bwrap_command(config: PythonToolConfig, scratch: str) -> list[str]:
     cmd += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     cmd += ["--clearenv", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin"]
     cmd += ["--setenv", "PYTHONIOENCODING", "utf-8"]
-    return [*cmd, python, "-I", "-c", _BOOT]
+    return [*cmd, python, "-I", "-c", _boot(config.max_processes)]
 
 
 def _unsafe_command(config: PythonToolConfig, scratch: str) -> list[str]:
-    return [sys.executable, "-I", "-c", _BOOT]
+    return [sys.executable, "-I", "-c", _boot(None)]
 
 
 # The uid code runs as where the trainer is root: one of its own per worker process, so that it
@@ -233,23 +241,8 @@ def _preexec(config: PythonToolConfig, isolated: bool, uid: int):
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        elif isolated:
-            # Not root: the limit counts this user's processes too; leave room for them.
-            mine = _processes_of(os.getuid()) + config.max_processes
-            resource.setrlimit(resource.RLIMIT_NPROC, (mine, mine))
 
     return apply
-
-
-def _processes_of(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                count += os.stat(f"/proc/{entry}").st_uid == uid
-            except OSError:
-                pass
-    return count
 
 
 # -- running it ---------------------------------------------------------------------------------
