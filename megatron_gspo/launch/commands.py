@@ -111,6 +111,8 @@ def rollout_servers(
             extra_args=vllm_args,
             python=python,
             return_routes=return_routes,
+            weight_transfer=weight_transfer,
+            dtype=dtype,
         )
         out.append(ServerProcess(cmd, env, f"http://{a.node}:{port}"))
     return out
