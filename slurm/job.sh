@@ -30,7 +30,10 @@ GSPO=${GSPO:-megatron-gspo}
 VENV=${VENV:-}
 ROLLOUT_NODES=${ROLLOUT_NODES:-0}
 ROLLOUT_GPUS=${ROLLOUT_GPUS:-0}
-TRAINER_NODES=${TRAINER_NODES:-$((SLURM_JOB_NUM_NODES - ROLLOUT_NODES))}
+REWARD_NODES=${REWARD_NODES:-0}
+REWARD_PORT=${REWARD_PORT:-8100}
+REWARD_MODEL=${REWARD_MODEL:-}
+TRAINER_NODES=${TRAINER_NODES:-$((SLURM_JOB_NUM_NODES - ROLLOUT_NODES - REWARD_NODES))}
 GPUS_PER_NODE=${GPUS_PER_NODE:-0}
 NPROC_PER_NODE=${NPROC_PER_NODE:-}
 MASTER_PORT=${MASTER_PORT:-}
@@ -67,13 +70,15 @@ log "job $SLURM_JOB_ID (${SLURM_JOB_NAME}) run $((${SLURM_RESTART_COUNT:-0} + 1)
 
 # 1. Roles.
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-if [ $((TRAINER_NODES + ROLLOUT_NODES)) -gt "${#nodes[@]}" ] || [ "$TRAINER_NODES" -lt 1 ]; then
-  log "error: $TRAINER_NODES trainer + $ROLLOUT_NODES rollout nodes do not fit in" \
-    "${#nodes[@]} allocated node(s)"
+if [ $((TRAINER_NODES + ROLLOUT_NODES + REWARD_NODES)) -gt "${#nodes[@]}" ] ||
+  [ "$TRAINER_NODES" -lt 1 ]; then
+  log "error: $TRAINER_NODES trainer + $ROLLOUT_NODES rollout + $REWARD_NODES reward nodes do" \
+    "not fit in ${#nodes[@]} allocated node(s)"
   exit 1
 fi
 trainers=("${nodes[@]:0:TRAINER_NODES}")
 rollouts=("${nodes[@]:TRAINER_NODES:ROLLOUT_NODES}")
+rewards=("${nodes[@]:TRAINER_NODES+ROLLOUT_NODES:REWARD_NODES}")
 join() {
   local IFS=,
   echo "$*"
@@ -81,7 +86,8 @@ join() {
 log "trainer nodes: $(join "${trainers[@]}") (rendezvous on ${trainers[0]})"
 
 launch_args=(--trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES"
-  --rollout-gpus "$ROLLOUT_GPUS" --vllm-port "$VLLM_PORT")
+  --rollout-gpus "$ROLLOUT_GPUS" --vllm-port "$VLLM_PORT"
+  --reward-nodes "$REWARD_NODES" --reward-port "$REWARD_PORT")
 [ -n "$MASTER_PORT" ] && launch_args+=(--master-port "$MASTER_PORT")
 [ -n "$NPROC_PER_NODE" ] && launch_args+=(--nproc-per-node "$NPROC_PER_NODE")
 # Both roles need it: servers start one per VLLM_TP GPUs, the trainer lists their URLs.
@@ -104,6 +110,7 @@ step_args=(--ntasks-per-node=1 --overlap --cpu-bind=none --open-mode=append
 # 2.-5. Processes, signals and clean-up.
 trainer_pid=""
 rollout_pid=""
+reward_pid=""
 stop=""
 
 alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
@@ -134,6 +141,7 @@ on_exit() {
   trap - USR1 TERM
   stop_step trainer "$trainer_pid"
   stop_step rollout "$rollout_pid"
+  stop_step reward "$reward_pid"
   log "done (exit $rc)"
 }
 # shellcheck disable=SC2317  # a trap handler: called by the shell, not by a line here
@@ -162,6 +170,16 @@ if [ "$ROLLOUT_NODES" -gt 0 ] || [ "$ROLLOUT_GPUS" -gt 0 ]; then
   rollout_pid=$!
 fi
 
+if [ "$REWARD_NODES" -gt 0 ]; then
+  log "reward nodes: $(join "${rewards[@]}") (the recipe's judge or reward model on port $REWARD_PORT)"
+  reward_args=()
+  [ -n "$REWARD_MODEL" ] && reward_args+=(--reward-model "$REWARD_MODEL")
+  srun "${step_args[@]}" --job-name=reward --nodes="$REWARD_NODES" --ntasks="$REWARD_NODES" \
+    --nodelist="$(join "${rewards[@]}")" --output="$LOG_DIR/reward-%N.log" \
+    "${gspo[@]}" launch "$RECIPE" --role reward "${launch_args[@]}" "${reward_args[@]}" &
+  reward_pid=$!
+fi
+
 srun "${step_args[@]}" --job-name=trainer --nodes="$TRAINER_NODES" --ntasks="$TRAINER_NODES" \
   --nodelist="$(join "${trainers[@]}")" --output="$LOG_DIR/trainer-%N.log" \
   "${gspo[@]}" launch "$RECIPE" --role trainer "${launch_args[@]}" "${train_args[@]}" "${extra[@]}" &
@@ -178,6 +196,11 @@ while alive "$trainer_pid"; do
       "$LOG_DIR/rollout-*.log"
     exit 1
   fi
+  if [ -n "$reward_pid" ] && ! alive "$reward_pid"; then
+    reward_pid=""
+    log "error: the reward servers exited while training; see $LOG_DIR/reward-*.log"
+    exit 1
+  fi
   sleep 2 &
   wait $! || true
 done
@@ -191,7 +214,9 @@ log "trainer finished with status $trainer_rc"
 # external SIGTERM (pre-emption, scontrol requeue, scancel) Slurm itself decides.
 if [ "$trainer_rc" -eq 75 ] && [ "$stop" = timelimit ] && [ "$REQUEUE_ON_TIMELIMIT" = 1 ]; then
   stop_step rollout "$rollout_pid"
+  stop_step reward "$reward_pid"
   rollout_pid=""
+  reward_pid=""
   log "requeueing job $SLURM_JOB_ID to continue from the checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
 fi

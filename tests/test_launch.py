@@ -31,6 +31,7 @@ from megatron_gspo.launch import (
 REPO = Path(__file__).resolve().parents[1]
 MOE = str(REPO / "recipes" / "qwen3-30b-a3b-gspo.yaml")
 TINY = str(REPO / "recipes" / "tiny-moe.yaml")
+JUDGE = str(REPO / "recipes" / "qwen3-30b-a3b-judge.yaml")
 
 
 @pytest.mark.parametrize(
@@ -209,6 +210,40 @@ def test_dry_run_prints_the_command_and_environment():
     assert rollout.exit_code == 0, rollout.output
     assert "--model checkpoints/Qwen3-30B-A3B --host gpu05 --port 8000" in rollout.output
     assert "VLLM_API_KEY=<job key>" in rollout.output and "s3cret" not in rollout.output
+
+
+def test_reward_nodes_serve_the_recipes_judge_and_the_trainer_gets_their_urls(tmp_path):
+    env = _env("gpu[01-07]", "gpu01", MEGATRON_GSPO_VLLM_KEY="s3cret")
+    args = [JUDGE, "--rollout-nodes", "2", "--reward-nodes", "1", "--dry-run"]
+    trainer = CliRunner().invoke(launch, args, env=env)
+    assert trainer.exit_code == 0, trainer.output
+    assert "MEGATRON_GSPO_REWARD_URLS=http://gpu07:8100" in trainer.output
+    assert "MEGATRON_GSPO_VLLM_URLS=http://gpu05:8000,http://gpu06:8000" in trainer.output
+    judge = CliRunner().invoke(launch, args, env={**env, "SLURMD_NODENAME": "gpu07"})
+    assert judge.exit_code == 0, judge.output
+    assert "role=reward" in judge.output
+    assert "--model checkpoints/Qwen3-32B --host gpu07 --port 8100" in judge.output
+    assert "--tensor-parallel-size 8" in judge.output and "--runner" not in judge.output
+    # The job's key guards it; nobody syncs weights into it.
+    assert "VLLM_API_KEY=<job key>" in judge.output and "s3cret" not in judge.output
+    assert "--weight-transfer-config" not in judge.output
+    # A scalar reward model goes to vLLM's pooling runner.
+    rm = tmp_path / "rm.yaml"
+    rm.write_text(Path(JUDGE).read_text().replace("name: judge", "name: reward_model"))
+    served = CliRunner().invoke(
+        launch,
+        [str(rm), "--rollout-nodes", "2", "--reward-nodes", "1", "--dry-run",
+         "--reward-model", "checkpoints/Skywork-Reward"],
+        env={**env, "SLURMD_NODENAME": "gpu07"},
+    )  # fmt: skip
+    assert served.exit_code == 0, served.output
+    assert "--model checkpoints/Skywork-Reward" in served.output
+    assert "--runner pooling" in served.output
+    # Reward nodes and a recipe with nothing to serve on them.
+    nothing = CliRunner().invoke(
+        launch, [MOE, "--reward-nodes", "1", "--dry-run"], env={**env, "SLURMD_NODENAME": "gpu07"}
+    )
+    assert nothing.exit_code != 0 and "no served reward" in nothing.output
 
 
 def test_a_job_with_servers_but_no_key_is_refused():

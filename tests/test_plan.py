@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 MOE = REPO / "recipes" / "qwen3-30b-a3b-gspo.yaml"
 DENSE = REPO / "recipes" / "qwen3-8b-gspo.yaml"
 MOONLIGHT = REPO / "recipes" / "moonlight-16b-a3b-gspo.yaml"
+JUDGE = REPO / "recipes" / "qwen3-30b-a3b-judge.yaml"
 
 
 def _row(p, prefix: str) -> float:
@@ -170,7 +171,25 @@ def test_plan_table_for_the_shipped_recipes():
     assert tiny.fits and tiny.total / GIB < 10
 
 
-@pytest.mark.parametrize("recipe", [MOE, DENSE, MOONLIGHT], ids=lambda p: p.name)
+def test_plan_counts_the_serving_nodes_and_wants_a_server_for_a_served_reward():
+    args = [str(JUDGE), "--nodes", "4", "--gpu", "h200", "--no-assumptions"]
+    result = CliRunner().invoke(plan, [*args, "--rollout-nodes", "2", "--reward-nodes", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(
+        "job: 4 trainer + 2 rollout + 1 reward = 7 nodes "
+        "(NODES=7 TRAINER_NODES=4 ROLLOUT_NODES=2 REWARD_NODES=1)\n"
+    ), result.output
+    # The judge names no url: without reward nodes nothing would serve it.
+    result = CliRunner().invoke(plan, args)
+    assert result.exit_code == 1 and "reward 'judge' has no kwargs.url" in result.output
+    # Reward nodes for a recipe whose rewards are all local: nothing to serve.
+    result = CliRunner().invoke(plan, [str(MOE), *args[1:], "--reward-nodes", "1"])
+    assert result.exit_code == 1 and "no served reward" in result.output
+    result = CliRunner().invoke(plan, [str(MOE), *args[1:], "--rollout-nodes", "2"])
+    assert result.exit_code == 0 and "4 trainer + 2 rollout = 6 nodes" in result.output
+
+
+@pytest.mark.parametrize("recipe", [MOE, DENSE, MOONLIGHT, JUDGE], ids=lambda p: p.name)
 def test_shipped_gpu_recipes_validate(recipe):
     from megatron_gspo.cli import main
 
@@ -180,5 +199,6 @@ def test_shipped_gpu_recipes_validate(recipe):
     # vllm itself, so that is not what is missing).
     result = CliRunner().invoke(main, ["validate", str(recipe)])
     assert result.exit_code == 3, result.output
-    assert "data.path: file data/math-train.jsonl not found" in result.output
+    data = "freeform" if recipe == JUDGE else "math"
+    assert f"data.path: file data/{data}-train.jsonl not found" in result.output
     assert "vllm" not in result.output.split("not runnable")[1]

@@ -17,6 +17,7 @@ function does not take, fail at start-up, before any compute is spent.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -154,11 +155,27 @@ def resolve_reward(name: str) -> RewardFn:
     return resolve(name, REWARDS, key="reward.functions", what="reward")
 
 
-def check_reward_function(name: str, kwargs: dict, where: str = "reward.functions") -> RewardFn:
-    """The function ``name`` resolves to, once it is known to accept ``kwargs``."""
+def check_reward_function(
+    name: str, kwargs: dict, where: str = "reward.functions"
+) -> RewardFn | None:
+    """The function ``name`` resolves to, once it is known to accept ``kwargs``; for a served
+    reward (:mod:`.served`) None, once its kwargs are valid and its servers answer."""
+    from megatron_gspo.episodes.served import SERVED, check_served
+
+    if name in SERVED:
+        check_served(name, kwargs, where)
+        return None
     fn = resolve(name, REWARDS, key=where, what="reward")
-    check_kwargs(fn, name, kwargs, key=where, args=("response", "answer"))
+    check_kwargs(fn, name, kwargs, key=where, args=("response", "answer", *_prompt(fn)))
     return fn
+
+
+def _prompt(fn: RewardFn) -> tuple[str, ...]:
+    """``("prompt",)`` where ``fn`` takes the prompt's text (a judge needs the question)."""
+    try:
+        return ("prompt",) if "prompt" in inspect.signature(fn).parameters else ()
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return ()
 
 
 # float32 is what advantages are computed in; a larger reward would overflow there.
@@ -185,49 +202,79 @@ class RewardStats:
     failed: list[bool] = field(default_factory=list)
     # The first failure, for an error message: which function, on which sample, and why.
     first_failure: str | None = None
+    # Served rewards: the most requests that were in flight at once.
+    served_in_flight_max: int = 0
 
 
 def _reward_handler(specs: list[tuple[str, dict]]) -> Callable:
-    """In a worker: ``(function index, response, answer) -> float``."""
-    functions = [(resolve_reward(name), kwargs) for name, kwargs in specs]
+    """In a worker: ``(function index, response, answer, prompt) -> float``."""
+    functions = [
+        (fn, kwargs, bool(_prompt(fn)))
+        for fn, kwargs in ((resolve_reward(name), kwargs) for name, kwargs in specs)
+    ]
 
-    def score(index: int, response: str, answer: str) -> float:
-        fn, kwargs = functions[index]
-        return reward_value(fn(response, answer, **kwargs))
+    def score(index: int, response: str, answer: str, prompt: str) -> float:
+        fn, kwargs, wants_prompt = functions[index]
+        extra = {"prompt": prompt} if wants_prompt else {}
+        return reward_value(fn(response, answer, **kwargs, **extra))
 
     return score
 
 
 class RewardComputer:
-    """Weighted sum of the recipe's reward functions, computed in worker processes with a
-    deadline per call (:mod:`megatron_gspo.runtime.workers`)."""
+    """Weighted sum of the recipe's reward functions: Python functions in worker processes
+    with a deadline per call (:mod:`megatron_gspo.runtime.workers`), served models over HTTP,
+    all of a step's requests in flight together (:mod:`.served`)."""
 
     def __init__(self, config: RewardConfig, max_workers: int | None = None) -> None:
+        from megatron_gspo.episodes.served import SERVED, ServedReward
+
         for i, f in enumerate(config.functions):
             # Fail here, at start-up, on a name or kwargs that cannot be used.
             check_reward_function(f.name, dict(f.kwargs), where=f"reward.functions[{i}]")
         self.specs = [(f.name, dict(f.kwargs)) for f in config.functions]
         self.weights = [f.weight for f in config.functions]
         self.timeout = config.timeout_s
+        self.served = {
+            i: ServedReward(
+                name, kwargs, timeout_s=config.timeout_s, where=f"reward.functions[{i}]"
+            )
+            for i, (name, kwargs) in enumerate(self.specs)
+            if name in SERVED
+        }
+        local = [(i, spec) for i, spec in enumerate(self.specs) if i not in self.served]
+        self.local_index = [i for i, _ in local]
         self.workers = max_workers or max(1, min(8, os.cpu_count() or 1))
         self.pool = WorkerPool(
             _reward_handler,
-            (self.specs,),
-            workers=self.workers,
+            ([spec for _, spec in local],),
+            workers=self.workers if local else 1,
             timeout_s=self.timeout,
             name="reward",
         )
 
-    def __call__(self, responses: list[str], answers: list[str]) -> tuple[list[float], RewardStats]:
+    def __call__(
+        self, responses: list[str], answers: list[str], prompts: list[str] | None = None
+    ) -> tuple[list[float], RewardStats]:
         """The rewards of the responses (0 where a function failed) and what failed."""
-        pairs = list(zip(responses, answers, strict=True))
-        n = len(self.specs)
-        outcomes = self.pool.map((i, r, a) for r, a in pairs for i in range(n))
+        from megatron_gspo.episodes.served import Item
+
+        prompts = prompts if prompts is not None else [""] * len(responses)
+        triples = list(zip(responses, answers, prompts, strict=True))
+        n, m = len(self.specs), len(self.local_index)
+        # Served requests go out first, from this thread, while the workers score the rest.
+        pending = [self.pool.submit(k, r, a, p) for r, a, p in triples for k in range(m)]
+        items = [Item(p, r, a) for r, a, p in triples]
+        served = {i: s.score(items) for i, s in self.served.items()}
+        local = [f.result() for f in pending]
         stats, rewards = RewardStats(), []
-        for s in range(len(pairs)):
+        for s in range(len(triples)):
             total, failed = 0.0, False
             for i in range(n):
-                outcome = outcomes[s * n + i]
+                if i in served:
+                    outcome = served[i][s]
+                else:
+                    outcome = local[s * m + self.local_index.index(i)]
                 if outcome.ok:
                     total += self.weights[i] * outcome.value
                     continue
@@ -248,6 +295,7 @@ class RewardComputer:
                 )
             stats.failed.append(failed)
             rewards.append(total if not failed else 0.0)
+        stats.served_in_flight_max = max((s.in_flight_max for s in self.served.values()), default=0)
         return rewards, stats
 
     def start(self) -> None:

@@ -27,6 +27,7 @@ from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.rewards import RewardComputer, RewardStats, overlong_penalty
+from megatron_gspo.episodes.served import SERVED
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.model.routes import check_routes
 from megatron_gspo.runtime.errors import InputError, UserError
@@ -107,6 +108,9 @@ class Scorer:
             reward_timeouts=float(stats.timeouts),
             groups_dropped_on_error=float(dropped),
         )
+        if any(f.name in SERVED for f in recipe.reward.functions):
+            # Requests to the judge / reward-model servers in flight at once this step.
+            metrics["reward_in_flight_max"] = float(stats.served_in_flight_max)
         if recipe.reward.overlong_penalty is not None:
             metrics["overlong_penalty_mean"] = sum(penalties) / len(penalties)
         if recipe.train.overlong_filter:
@@ -126,7 +130,8 @@ class Scorer:
         value per episode (0 where they failed) and the stats that say which failed."""
         group = self.recipe.rollout.group_size
         answers = [prompts[k // group].answer for k in range(len(episodes))]
-        return on_rank0(final_rewards, episodes, answers, self.rewards, self.decode)
+        texts = [prompts[k // group].text for k in range(len(episodes))]
+        return on_rank0(final_rewards, episodes, answers, self.rewards, self.decode, texts)
 
     def _stop_if_mostly_failed(
         self, episodes: list[Episode], failed: list[bool], stats: RewardStats
@@ -187,11 +192,14 @@ def final_rewards(
     answers: list[str],
     rewards: RewardComputer | None,
     decode: Callable[[list[int]], str],
+    prompts: list[str] | None = None,
 ) -> tuple[list[float], RewardStats]:
-    """The reward functions on each episode's last model turn (none: all 0)."""
+    """The reward functions on each episode's last model turn (none: all 0); ``prompts``:
+    each episode's prompt text, for the functions that take it."""
     if rewards is None or not rewards.specs:
         return [0.0] * len(episodes), RewardStats(failed=[False] * len(episodes))
-    return rewards([decode(e.turn_tokens(e.num_turns - 1)) for e in episodes], answers)
+    responses = [decode(e.turn_tokens(e.num_turns - 1)) for e in episodes]
+    return rewards(responses, answers, prompts)
 
 
 def _per_token(e: Episode, turn_adv: list[float]) -> list[float]:

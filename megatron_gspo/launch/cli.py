@@ -32,7 +32,7 @@ __all__ = ["launch"]
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
 @click.option(
     "--role",
-    type=click.Choice(["auto", "trainer", "rollout"]),
+    type=click.Choice(["auto", "trainer", "rollout", "reward"]),
     default="auto",
     show_default=True,
     help="Which side to run; auto decides from the node list (needed only on a node that "
@@ -46,6 +46,17 @@ __all__ = ["launch"]
     default=0,
     show_default=True,
     help="On a node that trains, give its last N GPUs to a vLLM server (single-node split).",
+)
+@click.option(
+    "--reward-nodes",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Nodes after the rollout nodes that serve the recipe's reward model (judge).",
+)
+@click.option("--reward-port", type=int, default=8100, show_default=True)
+@click.option(
+    "--reward-model", default=None, help="HF model path the reward nodes serve. Default: recipe's."
 )
 @click.option("--nodelist", default=None, help="Default: $SLURM_JOB_NODELIST.")
 @click.option("--node", default=None, help="This node's name. Default: $SLURMD_NODENAME.")
@@ -84,6 +95,9 @@ def launch(
     trainer_nodes: int | None,
     rollout_nodes: int,
     rollout_gpus: int,
+    reward_nodes: int,
+    reward_port: int,
+    reward_model: str | None,
     nodelist: str | None,
     node: str | None,
     gpus_per_node: int | None,
@@ -119,6 +133,8 @@ def launch(
             master_port=master_port or default_master_port(env.get("SLURM_JOB_ID")),
             vllm_port=vllm_port,
             vllm_servers_per_node=servers_per_node(rollout_gpus or gpus, vllm_tp),
+            reward_nodes=reward_nodes,
+            reward_port=reward_port,
         )
         a = assign_node(
             layout,
@@ -134,7 +150,7 @@ def launch(
                 f"{r.rollout.engine!r}; set rollout.engine: vllm or drop the rollout nodes"
             )
         key = env.get(JOB_KEY_ENV, "")
-        if layout.vllm_urls and not key:
+        if (layout.vllm_urls or layout.reward_urls) and not key:
             raise LaunchError(
                 f"${JOB_KEY_ENV} is not set: the vLLM servers of a job accept weights only "
                 "from callers with the job's key (slurm/job.sh generates one per job)"
@@ -149,6 +165,8 @@ def launch(
                 shutdown_timeout_s=shutdown_timeout,
             )
             processes = [(cmd, {**env, **a.env})]
+        elif a.role == "reward":
+            processes = [reward_server_process(a, layout, r, reward_model, key, env, dry_run)]
         else:
             from megatron_gspo.runtime.extras import MissingExtraError, require_extra
 
@@ -193,9 +211,10 @@ def launch(
     if dry_run:
         return
     sys.stdout.flush()
-    if a.role == "trainer" and layout.vllm_urls:
+    if a.role == "trainer" and (layout.vllm_urls or layout.reward_urls):
         try:
-            wait_for_servers(layout.vllm_urls, timeout_s=rollout_wait, log=click.echo)
+            urls = layout.vllm_urls + layout.reward_urls
+            wait_for_servers(urls, timeout_s=rollout_wait, log=click.echo)
         except LaunchError as e:
             raise click.ClickException(str(e)) from None
     started = time.time()
@@ -208,3 +227,32 @@ def launch(
             click.echo(f"launch: the trainer saved and stopped on SIGTERM (exit {EXIT_PREEMPTED})")
             rc = EXIT_PREEMPTED
     sys.exit(rc)
+
+
+def reward_server_process(a, layout, recipe, model: str | None, key: str, env, dry_run: bool):
+    """The reward node's server: vLLM serving the recipe's served reward (a judge through its
+    OpenAI routes, a reward model through its pooling routes), reachable with the job's key."""
+    from megatron_gspo.episodes.served import SERVED
+    from megatron_gspo.launch.commands import reward_server
+    from megatron_gspo.runtime.extras import MissingExtraError, require_extra
+
+    served = [f for f in recipe.reward.functions if f.name in SERVED]
+    if not served:
+        raise LaunchError(
+            "the job has reward nodes but the recipe's reward.functions name no served reward "
+            f"({', '.join(SERVED)})"
+        )
+    kind, kwargs = served[0].name, dict(served[0].kwargs)
+    model = model or kwargs.get("model")
+    if not model:
+        raise LaunchError(
+            "a reward node needs the model to serve: --reward-model PATH or the reward "
+            "function's kwargs.model"
+        )
+    if not dry_run:
+        try:
+            require_extra("vllm", "Serving a reward model (launch --role reward)")
+        except MissingExtraError as e:
+            raise LaunchError(str(e)) from None
+    server = reward_server(a, layout, model, key=key, base_env=env, pooling=kind == "reward_model")
+    return server.cmd, server.env

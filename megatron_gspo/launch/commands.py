@@ -116,3 +116,36 @@ def rollout_servers(
         )
         out.append(ServerProcess(cmd, env, f"http://{a.node}:{port}"))
     return out
+
+
+def reward_server(
+    a: NodeAssignment,
+    layout: JobLayout,
+    model: str,
+    *,
+    key: str,
+    base_env: Mapping[str, str] | None = None,
+    pooling: bool = False,
+    python: str = sys.executable,
+) -> ServerProcess:
+    """The reward node's vLLM server on all its GPUs, on ``layout.reward_port`` of its own
+    address, needing the job key; ``pooling``: a scalar reward model (its /classify route)
+    rather than a judge (its chat completions)."""
+    from megatron_gspo.rollout.vllm.server import server_command, server_env
+
+    try:
+        env = server_env(key, {**(base_env or {}), **a.env})
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    extra = ["--runner", "pooling"] if pooling else []
+    cmd = server_command(
+        model,
+        host=a.node,
+        port=layout.reward_port,
+        tensor_parallel=max(a.nproc, 1),
+        served_model_name=model,
+        extra_args=extra,
+        python=python,
+        weight_transfer=None,
+    )
+    return ServerProcess(cmd, env, f"http://{a.node}:{layout.reward_port}")

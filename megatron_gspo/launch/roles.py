@@ -1,10 +1,12 @@
 """Which nodes train and which serve, and this node's part: pure functions of the job.
 
-Node order: the first ``trainer_nodes`` nodes of the expanded ``SLURM_JOB_NODELIST`` train, the
-next ``rollout_nodes`` serve. The first trainer node is the rendezvous host. On a node that does
-both (a single-node job with ``rollout_gpus`` > 0) the trainer takes the first GPUs and vLLM the
-last ``rollout_gpus``. A rollout node runs ``vllm_servers_per_node`` servers (one per
-``vllm_tp`` GPUs) on consecutive ports from ``vllm_port``.
+Node order: the first ``trainer_nodes`` nodes of the expanded ``SLURM_JOB_NODELIST`` train,
+the next ``rollout_nodes`` serve the policy, the next ``reward_nodes`` serve a reward model (a
+judge: :mod:`megatron_gspo.episodes.served`). The first trainer node is the rendezvous host.
+On a node that does both (a single-node job with ``rollout_gpus`` > 0) the trainer takes the
+first GPUs and vLLM the last ``rollout_gpus``. A rollout node runs ``vllm_servers_per_node``
+servers (one per ``vllm_tp`` GPUs) on consecutive ports from ``vllm_port``; a reward node one
+server on ``reward_port``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from megatron_gspo.launch.errors import LaunchError
 
 __all__ = ["JobLayout", "NodeAssignment", "Role", "assign_node", "job_layout"]
 
-Role = Literal["trainer", "rollout"]
+Role = Literal["trainer", "rollout", "reward"]
 
 VLLM_URLS_ENV = "MEGATRON_GSPO_VLLM_URLS"
+REWARD_URLS_ENV = "MEGATRON_GSPO_REWARD_URLS"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class JobLayout:
     # Independent vLLM servers per serving node (each on vllm_tp GPUs, its own port): one
     # server per replica, so that each receives the weight sync itself.
     vllm_servers_per_node: int = 1
+    # Nodes serving reward models, one server each on reward_port.
+    reward_nodes: tuple[str, ...] = ()
+    reward_port: int = 8100
+
+    @property
+    def reward_urls(self) -> list[str]:
+        """Where the trainer reaches the reward servers (their roots)."""
+        return [f"http://{h}:{self.reward_port}" for h in self.reward_nodes]
 
     @property
     def serving_nodes(self) -> tuple[str, ...]:
@@ -60,6 +71,8 @@ def job_layout(
     master_port: int = 29500,
     vllm_port: int = 8000,
     vllm_servers_per_node: int = 1,
+    reward_nodes: int = 0,
+    reward_port: int = 8100,
 ) -> JobLayout:
     """Split the job's nodes: the first ``trainer_nodes`` train, the next ``rollout_nodes``
     serve. ``trainer_nodes`` defaults to every node the rollout does not take; ``rollout_gpus``
@@ -69,19 +82,21 @@ def job_layout(
         raise LaunchError("the job has no nodes (is SLURM_JOB_NODELIST set?)")
     if len(set(nodes)) != len(nodes):
         raise LaunchError(f"the node list repeats a node: {nodes}")
-    if rollout_nodes < 0:
-        raise LaunchError(f"rollout_nodes must be >= 0, got {rollout_nodes}")
+    if rollout_nodes < 0 or reward_nodes < 0:
+        raise LaunchError(
+            f"rollout_nodes and reward_nodes must be >= 0, got {rollout_nodes}, {reward_nodes}"
+        )
     if trainer_nodes is None:
-        trainer_nodes = len(nodes) - rollout_nodes
+        trainer_nodes = len(nodes) - rollout_nodes - reward_nodes
     if trainer_nodes < 1:
         raise LaunchError(
             f"no node left to train: the job has {len(nodes)} node(s) and rollout takes "
             f"{rollout_nodes}"
         )
-    if trainer_nodes + rollout_nodes > len(nodes):
+    if trainer_nodes + rollout_nodes + reward_nodes > len(nodes):
         raise LaunchError(
-            f"{trainer_nodes} trainer + {rollout_nodes} rollout nodes requested, but the job "
-            f"has {len(nodes)}: {','.join(nodes)}"
+            f"{trainer_nodes} trainer + {rollout_nodes} rollout + {reward_nodes} reward nodes "
+            f"requested, but the job has {len(nodes)}: {','.join(nodes)}"
         )
     if rollout_nodes and rollout_gpus:
         raise LaunchError(
@@ -97,6 +112,10 @@ def job_layout(
         vllm_port=vllm_port,
         colocated_rollout_gpus=rollout_gpus,
         vllm_servers_per_node=vllm_servers_per_node,
+        reward_nodes=tuple(
+            nodes[trainer_nodes + rollout_nodes : trainer_nodes + rollout_nodes + reward_nodes]
+        ),
+        reward_port=reward_port,
     )
 
 
@@ -130,8 +149,21 @@ def assign_node(
 
     ``visible_devices`` is the CUDA_VISIBLE_DEVICES Slurm set; a split node hands out entries
     of it (Slurm may give GPUs 4-7 of a shared node), not bare indices."""
+    if node in layout.reward_nodes:
+        if role not in (None, "reward"):
+            raise LaunchError(f"node {node!r} is a reward node; it cannot take --role {role}")
+        # The servers' own environment (job key) comes from rollout.vllm.server.
+        return NodeAssignment(
+            role="reward",
+            node=node,
+            node_rank=layout.reward_nodes.index(node),
+            nnodes=len(layout.reward_nodes),
+            nproc=gpus_per_node,
+        )
     in_trainers = node in layout.trainer_nodes
     in_rollout = node in layout.rollout_nodes or (in_trainers and layout.colocated_rollout_gpus)
+    if role == "reward":
+        raise LaunchError(f"node {node!r} is not a reward node")
     if not (in_trainers or in_rollout):
         raise LaunchError(
             f"node {node!r} is in neither the trainer nodes {list(layout.trainer_nodes)} nor "
@@ -165,6 +197,8 @@ def assign_node(
         env = {"MASTER_ADDR": layout.master_addr, "MASTER_PORT": str(layout.master_port)}
         if layout.vllm_urls:
             env[VLLM_URLS_ENV] = ",".join(layout.vllm_urls)
+        if layout.reward_urls:
+            env[REWARD_URLS_ENV] = ",".join(layout.reward_urls)
     else:
         nodes = layout.rollout_nodes or layout.trainer_nodes
         devices = tuple(range(gpus_per_node - split, gpus_per_node)) if split else None

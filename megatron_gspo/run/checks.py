@@ -71,11 +71,14 @@ def _tokenizer(recipe: Recipe):
 def check_rewards(recipe: Recipe, run_dir: Path) -> list[Problem]:
     """Every reward function resolves and accepts ``(response, answer, **kwargs)``."""
     from megatron_gspo.episodes.rewards import check_reward_function
+    from megatron_gspo.episodes.served import ServerDown
 
     out = []
     for i, f in enumerate(recipe.reward.functions):
         try:
             check_reward_function(f.name, dict(f.kwargs), where=f"reward.functions[{i}]")
+        except ServerDown as e:  # the recipe is fine; its reward server is not up here
+            out.append(Problem(str(e), here_only=True))
         except ValueError as e:
             out.append(Problem(str(e), here_only=_module_missing(f.name)))
     return out

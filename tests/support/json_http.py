@@ -24,11 +24,17 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog of 5 drops the SYNs of a burst of concurrent clients, which
+    # retry a second later: a served reward's 64 requests took 6 s instead of 0.4 s.
+    request_queue_size = 1024
+
+
 class LocalServer:
     """``handler`` served on a free port of 127.0.0.1 until :meth:`close`."""
 
     def __init__(self, handler: type[JsonHandler]) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd = _Server(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.root = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -152,6 +152,49 @@ def write_tiny_model(path: Path, cfg: ModelConfig = VLLM_TINY_MOE, seed: int = 0
     return path
 
 
+# The judge's chat template: the messages' texts one after another (the word-level vocabulary
+# has no role markers).
+JUDGE_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def write_reward_model(path: Path, seed: int = 0) -> Path:
+    """A tiny scalar reward model (Qwen3 with a one-label classification head, as
+    transformers' ``Qwen3ForSequenceClassification``), random weights of a clear scale, with
+    the word-level tokenizer of :func:`train_tokenizer`."""
+    return _write_dense_qwen3(path, seed, "Qwen3ForSequenceClassification", num_labels=1)
+
+
+def write_judge_model(path: Path, seed: int = 0) -> Path:
+    """A tiny dense Qwen3 chat model for a served judge: random weights of a clear scale, the
+    word-level tokenizer and :data:`JUDGE_CHAT_TEMPLATE`."""
+    return _write_dense_qwen3(path, seed, "Qwen3ForCausalLM")
+
+
+def _write_dense_qwen3(path: Path, seed: int, arch: str, **extra) -> Path:
+    import transformers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
+        eos_token_id=EOS_ID, pad_token_id=EOS_ID, tie_word_embeddings=False, dtype="float32",
+        **extra,
+    )  # fmt: skip
+    model = getattr(transformers, arch)(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(256), unk_token="<unk>", eos_token="<eos>",
+        pad_token="<eos>", chat_template=JUDGE_CHAT_TEMPLATE,
+    )  # fmt: skip
+    fast.save_pretrained(path)
+    return path
+
+
 class VLLMServer:
     """A vLLM server as this project starts them (:mod:`megatron_gspo.rollout.vllm.server`:
     weight transfer engine, job-key middleware, dev mode), on 127.0.0.1, its output in a log
