@@ -213,7 +213,7 @@ def _unsafe_command(config: PythonToolConfig, scratch: str) -> list[str]:
 
 
 # The uid code runs as where the trainer is root: one of its own per worker process, so that it
-# owns nothing on the host and the process limit counts the sandbox's processes alone.
+# owns nothing on the host.
 _UID_BASE = 200_000
 
 
@@ -237,7 +237,8 @@ def _preexec(config: PythonToolConfig, isolated: bool, uid: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         if isolated and os.geteuid() == 0:
-            resource.setrlimit(resource.RLIMIT_NPROC, (config.max_processes, config.max_processes))
+            # No process limit here: set on this uid it would count the last call's processes
+            # still being torn down; the boot sets it inside the sandbox's user namespace.
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
