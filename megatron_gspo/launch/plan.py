@@ -354,39 +354,6 @@ def plan_memory(
     return plan
 
 
-def job_nodes(recipe: Recipe, *, trainer: int, rollout: int = 0, reward: int = 0) -> str:
-    """The job's node count, as slurm/disaggregated.sbatch takes it; raises PlanError where the
-    recipe and the serving nodes disagree (a served reward with no server, reward nodes with
-    nothing to serve)."""
-    from megatron_gspo.episodes.served import SERVED
-
-    served = [f for f in recipe.reward.functions if f.name in SERVED]
-    if reward and not served:
-        raise PlanError(
-            f"--reward-nodes {reward}, but reward.functions name no served reward "
-            f"({', '.join(SERVED)}): nothing for those nodes to serve"
-        )
-    unnamed = [f.name for f in served if not f.kwargs.get("url")]
-    if unnamed and not reward:
-        raise PlanError(
-            f"reward {unnamed[0]!r} has no kwargs.url: the job must serve it on its own nodes "
-            "(--reward-nodes N, REWARD_NODES=N), or the recipe name a running server"
-        )
-    if rollout and recipe.rollout.engine != "vllm":
-        raise PlanError(
-            f"--rollout-nodes {rollout}, but rollout.engine is {recipe.rollout.engine!r}: "
-            "only vllm rollouts run on their own nodes"
-        )
-    total = trainer + rollout + reward
-    parts = [f"{trainer} trainer"] + [
-        f"{n} {what}" for n, what in ((rollout, "rollout"), (reward, "reward")) if n
-    ]
-    env = f"NODES={total} TRAINER_NODES={trainer}"
-    env += f" ROLLOUT_NODES={rollout}" if rollout else ""
-    env += f" REWARD_NODES={reward}" if reward else ""
-    return f"job: {' + '.join(parts)} = {total} nodes ({env})"
-
-
 # --------------------------------------------------------------------------------------------
 # The command.
 
@@ -407,15 +374,10 @@ def job_nodes(recipe: Recipe, *, trainer: int, rollout: int = 0, reward: int = 0
     "--rollout-nodes",
     type=click.IntRange(min=0),
     default=0,
-    show_default=True,
-    help="Nodes serving rollouts (vLLM), besides the trainer nodes.",
+    help="vLLM nodes besides the trainer ones.",
 )
 @click.option(
-    "--reward-nodes",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Nodes serving the recipe's judge or reward model, besides the others.",
+    "--reward-nodes", type=click.IntRange(min=0), default=0, help="Judge or reward model nodes."
 )
 @click.option("--assumptions/--no-assumptions", default=True, show_default=True)
 def plan(
@@ -433,6 +395,8 @@ def plan(
 
     Exits 1 when the layout does not divide, the estimate exceeds the GPU's memory, or a
     served reward has no server."""
+    from megatron_gspo.launch.errors import LaunchError
+    from megatron_gspo.launch.roles import job_nodes
     from megatron_gspo.run.recipe import RecipeError, load_recipe
 
     try:
@@ -446,7 +410,7 @@ def plan(
             recipe_name=recipe,
         )
         job = job_nodes(r, trainer=nodes, rollout=rollout_nodes, reward=reward_nodes)
-    except (RecipeError, PlanError) as e:
+    except (RecipeError, PlanError, LaunchError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(job)
     click.echo(p.table())

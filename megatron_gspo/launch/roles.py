@@ -17,7 +17,7 @@ from typing import Literal
 
 from megatron_gspo.launch.errors import LaunchError
 
-__all__ = ["JobLayout", "NodeAssignment", "Role", "assign_node", "job_layout"]
+__all__ = ["JobLayout", "NodeAssignment", "Role", "assign_node", "job_layout", "job_nodes"]
 
 Role = Literal["trainer", "rollout", "reward"]
 
@@ -221,3 +221,36 @@ def assign_node(
         devices=devices,
         env=env,
     )
+
+
+def job_nodes(recipe, *, trainer: int, rollout: int = 0, reward: int = 0) -> str:
+    """The job's node count, as slurm/disaggregated.sbatch takes it; raises LaunchError where the
+    recipe and the serving nodes disagree (a served reward with no server, reward nodes with
+    nothing to serve)."""
+    from megatron_gspo.episodes.served import SERVED
+
+    served = [f for f in recipe.reward.functions if f.name in SERVED]
+    if reward and not served:
+        raise LaunchError(
+            f"--reward-nodes {reward}, but reward.functions name no served reward "
+            f"({', '.join(SERVED)}): nothing for those nodes to serve"
+        )
+    unnamed = [f.name for f in served if not f.kwargs.get("url")]
+    if unnamed and not reward:
+        raise LaunchError(
+            f"reward {unnamed[0]!r} has no kwargs.url: the job must serve it on its own nodes "
+            "(--reward-nodes N, REWARD_NODES=N), or the recipe name a running server"
+        )
+    if rollout and recipe.rollout.engine != "vllm":
+        raise LaunchError(
+            f"--rollout-nodes {rollout}, but rollout.engine is {recipe.rollout.engine!r}: "
+            "only vllm rollouts run on their own nodes"
+        )
+    total = trainer + rollout + reward
+    parts = [f"{trainer} trainer"] + [
+        f"{n} {what}" for n, what in ((rollout, "rollout"), (reward, "reward")) if n
+    ]
+    env = f"NODES={total} TRAINER_NODES={trainer}"
+    env += f" ROLLOUT_NODES={rollout}" if rollout else ""
+    env += f" REWARD_NODES={reward}" if reward else ""
+    return f"job: {' + '.join(parts)} = {total} nodes ({env})"
