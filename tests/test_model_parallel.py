@@ -151,3 +151,27 @@ def test_two_rank_dense_tensor_parallel_without_sequence_parallel_matches_single
         _parallel, 2, TINY_DENSE, {"tensor_model_parallel_size": 2}, reference[1], tokens, 1
     )
     _assert_matches_reference(reference, results, "dense tp2")
+
+
+def test_a_world_of_one_leaves_no_rendezvous_for_the_processes_it_starts():
+    """A plain `python` run sets up its group without a port and without os.environ.
+
+    It once wrote RANK and a MASTER_PORT its own store held into os.environ: every `train`
+    a test then started inherited them and failed to bind that port (EADDRINUSE, CI).
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch.distributed as dist\n"
+        "from megatron_gspo.config import ParallelConfig\n"
+        "from megatron_gspo.parallel import init_parallel\n"
+        "init_parallel(ParallelConfig())\n"
+        "assert dist.get_world_size() == 1 and dist.get_rank() == 0\n"
+        "leaked = [k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') "
+        "if k in os.environ]\n"
+        "assert not leaked, leaked\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

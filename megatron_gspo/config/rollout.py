@@ -28,8 +28,8 @@ class VLLMConfig(_Section):
     bucket_mb: float = 512.0
     # Collective: how long forming the group or one sync may take before it fails.
     sync_timeout_s: float = 600.0
-    # Collective: the address the servers reach the trainer's rank 0 at (default: MASTER_ADDR,
-    # else this host's name).
+    # Collective: the address the servers reach the trainer's rank 0 at (default: the loopback
+    # when every server is on this host, else MASTER_ADDR, else this host's name).
     sync_host: str | None = None
     # Disk: a directory that the trainer and the servers both see.
     sync_dir: str | None = None

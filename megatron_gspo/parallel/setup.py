@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,21 +46,19 @@ def _init_default_group() -> None:
     # On a GPU, CPU tensors (step metrics, flags every rank agrees on) go over gloo and CUDA
     # tensors over NCCL: a default group of NCCL alone refuses the CPU ones.
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ:
-        # A plain `python` run: a world of one.
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+    if "RANK" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        return
+    # A plain `python` run: a world of one, whose store lives in this process. A TCP store
+    # would need a free port, and one found free here can be taken by another process before
+    # the store binds it (EADDRINUSE under a loaded CI). Nothing goes into os.environ: a
+    # process this one starts (a test's `train`, a worker) would read RANK there and look
+    # for a rendezvous that does not exist.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def init_parallel(parallel: ParallelConfig) -> ParallelGroups:

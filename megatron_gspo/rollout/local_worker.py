@@ -32,11 +32,12 @@ __all__ = ["LocalWorkerEngine"]
 def _serve(
     model_config: ModelConfig, precision: PrecisionConfig, requests, replies, parent_pid: int
 ) -> None:
-    from megatron_gspo.runtime.procs import die_with_parent, free_port, local_world_env
+    from megatron_gspo.runtime.procs import die_with_parent
 
     die_with_parent(parent_pid)
     # A world of one of its own, whatever the trainer's environment says.
-    os.environ.update(local_world_env(0, 1, free_port()))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
     torch.set_num_threads(1)
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.model import build_model

@@ -193,7 +193,7 @@ class VLLMEngine:
             transport = sync.NcclTransport(
                 sync.MegatronSource(mapping.hf_shapes, dtypes),
                 timeout_s=cfg.sync_timeout_s,
-                host=sync.sync_host(cfg.sync_host),
+                host=sync.sync_host(cfg.sync_host, self.client.urls),
             )
         else:
             transport = sync.GlooTransport(
@@ -202,7 +202,7 @@ class VLLMEngine:
                 fp32={h for h in mapping.hf_shapes if mapping.by_hf[h].fp32},
                 bucket_bytes=int(cfg.bucket_mb * 2**20),
                 timeout_s=cfg.sync_timeout_s,
-                host=sync.sync_host(cfg.sync_host),
+                host=sync.sync_host(cfg.sync_host, self.client.urls),
             )
         self._sync = sync.WeightSync(self.servers, transport)
         return self._sync

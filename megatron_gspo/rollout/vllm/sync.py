@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -101,9 +102,15 @@ class SyncReport:
         }
 
 
-def sync_host(configured: str | None) -> str:
+def sync_host(configured: str | None, urls: list[str]) -> str:
     """The address servers reach the trainer's rank 0 at."""
-    return configured or os.environ.get("MASTER_ADDR") or socket.gethostname()
+    if configured:
+        return configured
+    # Servers on this host (a test's, the embedded default's) reach it over the loopback,
+    # whatever the host's name resolves to.
+    if urls and all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls):
+        return "127.0.0.1"
+    return os.environ.get("MASTER_ADDR") or socket.gethostname()
 
 
 class WeightSync:
