@@ -51,6 +51,9 @@ _REFERENCE = "reference."
 
 log = logging.getLogger(__name__)
 
+# megatron-core's name for the non-tensor part of a checkpoint (its COMMON_STATE_FNAME).
+COMMON_FILE = "common.pt"
+
 
 def _name(step: int) -> str:
     return f"iter_{step:07d}"
@@ -278,6 +281,7 @@ class Checkpointer:
                 **trainer_state,
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            _write_common_file(tmp)
         dist.barrier()
         self._write_manifest(tmp, step)
         if self.rank == 0:
@@ -408,3 +412,18 @@ class Checkpointer:
         steps = [s for s in steps if s != best]
         for old in [s for s in steps if s != newest][: max(0, len(steps) - self.keep)]:
             shutil.rmtree(self.dir / _name(old), ignore_errors=True)
+
+
+def _write_common_file(directory: Path) -> None:
+    """Give a checkpoint the ``common.pt`` that megatron-core before 0.19 reads.
+
+    megatron-core 0.19 keeps the non-tensor state (the optimizer's param groups, ...) inside
+    the torch_dist files and writes no common.pt; 0.16.1 to 0.18 read that state from
+    common.pt alone and fail without it. The same state, copied out, lets a run saved under
+    0.19 resume under any version of the range; 0.19 reads common.pt first when it exists.
+    """
+    if (directory / COMMON_FILE).exists():  # written by megatron-core before 0.19
+        return
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    torch.save(load_common_state_dict(str(directory)), directory / COMMON_FILE)
