@@ -87,6 +87,15 @@ class MultiTurnConfig(_Section):
         return self
 
 
+class InFlightUpdates(_Section):
+    """Weight syncs that do not wait for the generation in flight (docs/async.md)."""
+
+    # keep: requests are frozen during the sync and go on with the new weights over the KV
+    # cache the old ones computed. resubmit: they are aborted, and each is sent again as
+    # prompt + tokens so far with the budget left, its prefix read by the new weights.
+    mode: Literal["keep", "resubmit"]
+
+
 class RolloutConfig(_Section):
     """How responses are sampled: the embedded engine or a vLLM service."""
 
@@ -103,6 +112,10 @@ class RolloutConfig(_Section):
     # batches while the trainer trains on the current one, from weights at most K updates
     # older than the policy that trains on them.
     max_staleness: int = 0
+    # max_staleness >= 1 with the vLLM engine: sync the weights as soon as a step is trained,
+    # while generation goes on (each token records the version that sampled it); None: each
+    # sync waits until the generation in flight has finished on the weights it started with.
+    in_flight_updates: InFlightUpdates | None = None
     # engine=local: sample in a generation worker process holding a single-rank snapshot of
     # the weights instead of in the trainer's ranks: generation runs once rather than on every
     # data-parallel rank, and works with any trainer layout (sequence and pipeline parallelism
@@ -143,6 +156,14 @@ class RolloutConfig(_Section):
         if self.max_rollout_kl_steps < 1:
             raise ValueError(
                 f"rollout.max_rollout_kl_steps must be >= 1, got {self.max_rollout_kl_steps}"
+            )
+        if self.in_flight_updates is not None and (
+            self.max_staleness < 1 or self.engine != "vllm"
+        ):
+            raise ValueError(
+                "rollout.in_flight_updates needs rollout.max_staleness >= 1 and rollout.engine: "
+                f"vllm (got max_staleness {self.max_staleness}, engine {self.engine!r}): the "
+                "embedded engine cannot change its weights under a request in flight"
             )
         if self.dynamic_sampling is not None and self.max_staleness:
             raise ValueError(

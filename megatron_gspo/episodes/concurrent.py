@@ -103,7 +103,7 @@ class ConcurrentRunner:
             [c] = await self.client.complete(
                 http, url, prompt.token_ids + e.token_ids, sampling, sampling.seed
             )
-            c.policy_version = version if isinstance(version, int) else None
+            c.stamp(version)
             e.add_model_turn(c)
             if state is None:
                 state = after_reset(await reset)

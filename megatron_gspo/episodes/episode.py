@@ -47,8 +47,11 @@ class Episode:
     turn_ids: list[int] = field(default_factory=list)
     # Per model turn: the environment's reward for it (none without an environment).
     turn_rewards: list[float] = field(default_factory=list)
-    # Per model turn: the weights version that sampled it (None where the engine cannot tell).
+    # Per model turn: the weights version that sampled it, its oldest token's where weights
+    # changed under it (None where the engine cannot tell).
     versions: list[int | None] = field(default_factory=list)
+    # Per token: the weights version that sampled it (-1: an environment token, or unknown).
+    token_versions: list[int] = field(default_factory=list)
     end: EndReason = "stop"
     # The environment's failure, where it failed (end is env_error or env_timeout).
     failure: str | None = None
@@ -59,6 +62,15 @@ class Episode:
     routes: np.ndarray | None = None
     # Whether the last model turn was cut at rollout.max_new_tokens (overlong shaping).
     last_turn_cut: bool = False
+
+    def __post_init__(self) -> None:
+        if self.token_ids and not self.token_versions:
+            # Built (or saved) without versions per token: each token its turn's.
+            turn = dict(enumerate(self.versions))
+            self.token_versions = [
+                -1 if not m or turn.get(k) is None else turn[k]
+                for m, k in zip(self.mask, self.turn_ids, strict=True)
+            ]
 
     @classmethod
     def from_completion(cls, c: Completion) -> Episode:
@@ -85,6 +97,7 @@ class Episode:
         self.logprobs += list(c.logprobs)
         self.turn_ids += [turn] * len(c.token_ids)
         self.versions.append(c.policy_version)
+        self.token_versions += c.versions()
         self.last_turn_cut = c.finish_reason == "length"
         if c.routes is not None:
             # Keep each token's route from the forward that first read it: this turn's rows
@@ -102,6 +115,7 @@ class Episode:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.turn_ids += [turn] * len(ids)
+        self.token_versions += [-1] * len(ids)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -113,6 +127,11 @@ class Episode:
     @property
     def model_tokens(self) -> int:
         return sum(self.mask)
+
+    @property
+    def spans_versions(self) -> bool:
+        """Whether its model tokens come from more than one weights version."""
+        return len({v for v, m in zip(self.token_versions, self.mask, strict=True) if m}) > 1
 
     def turn_tokens(self, turn: int) -> list[int]:
         """The ids the model sampled in ``turn``."""

@@ -136,13 +136,20 @@ class EpisodeSampler:
         if k == 0:
             return OnPolicyRollouts(self.rollout, draw)
         runner = self.runner(alone=True)
+        in_flight = self.recipe.rollout.in_flight_updates is not None
 
         def ahead(step: int, prompts: list[Prompt]) -> Sampled:
-            episodes = runner.run(prompts, replace(self.params, seed=self.step_seed(step)))
-            return episodes, dict(runner.stats)
+            # In flight, batches run side by side: each its own runner (they keep counts).
+            own = self.runner(alone=True) if in_flight else runner
+            episodes = own.run(prompts, replace(self.params, seed=self.step_seed(step)))
+            return episodes, dict(own.stats)
 
         return RolloutPipeline(
-            ahead if runner is not None else None, draw, max_staleness=k, next_step=next_step
+            ahead if runner is not None else None,
+            draw,
+            max_staleness=k,
+            next_step=next_step,
+            in_flight=in_flight,
         )
 
     def close(self) -> None:

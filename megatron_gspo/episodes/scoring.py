@@ -93,6 +93,7 @@ class Scorer:
                     reward=task[k],
                     prompt_index=k // group,
                     policy_version=_oldest(e.versions),
+                    token_versions=e.token_versions,
                     routes=checked_routes(e, prompt, recipe),
                 )
             )

@@ -99,6 +99,7 @@ def split_microbatch(mb, cp_size: int, cp_rank: int):
         padding_mask=local(mb.padding_mask),
         routes=local(mb.routes),
         versions=local(mb.versions),
+        after_update=local(mb.after_update),
         cu_seqlens=None if mb.cu_seqlens is None else mb.cu_seqlens // cp_size,
         cp_size=cp_size,
     )

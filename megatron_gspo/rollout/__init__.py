@@ -35,4 +35,10 @@ def make_engine(recipe, policy) -> RolloutEngine:
         return LocalEngine(policy.model)
     from megatron_gspo.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(recipe.rollout.vllm, recipe.model, policy.model)
+    in_flight = recipe.rollout.in_flight_updates
+    return VLLMEngine(
+        recipe.rollout.vllm,
+        recipe.model,
+        policy.model,
+        in_flight=None if in_flight is None else in_flight.mode,
+    )

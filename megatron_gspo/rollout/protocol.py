@@ -45,6 +45,10 @@ class Completion:
     # MoE, where asked for (rollout.return_routes): the experts each token the model read was
     # routed to, [prompt + response - 1 tokens, MoE layers, k] (megatron_gspo.model.routes).
     routes: np.ndarray | None = None
+    # Per token, where weights changed while it was generated (rollout.in_flight_updates):
+    # the version that sampled it (-1: the checkpoint the server started with); None: every
+    # token is policy_version's. policy_version is then the oldest.
+    token_versions: list[int] | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -55,6 +59,21 @@ class Completion:
     def from_json(cls, data: dict) -> Completion:
         routes = data.get("routes")
         return cls(**{**data, "routes": None if routes is None else decode_routes(routes)})
+
+    def versions(self) -> list[int]:
+        """The version of each token (-1: unknown)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [-1 if self.policy_version is None else self.policy_version] * len(self.token_ids)
+
+    def stamp(self, version: int | str | None) -> None:
+        """Record the version of the server that generated it, as it reported it before the
+        request; tokens the server labelled one by one (token_versions) say it themselves."""
+        if self.token_versions is None:
+            self.policy_version = version if isinstance(version, int) else None
+            return
+        known = [v for v in self.token_versions if v >= 0]
+        self.policy_version = min(known) if known else None
 
 
 def encode_routes(routes: np.ndarray) -> dict:

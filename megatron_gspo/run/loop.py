@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -109,7 +110,7 @@ def train(
     rank0 = run.rank0
     if recipe.eval.every and run.start == 0:
         run.logger.log(0, run.evaluate(0))
-    run.rollouts.resume()
+    run.rollouts.resume(version=run.start)
     bar = _progress(total, run.start, enabled=rank0)
     kl_guard = RolloutKLGuard.from_recipe(recipe)
     step, stopping = run.start, False
@@ -138,8 +139,11 @@ def train(
         else:  # failed scores or the overlong filter took (nearly) every sample
             log.warning("step %d: %d sample(s) left to train on; no update", step, len(samples))
             metrics["update_skipped"] = 1.0
-        # 4. Weight sync, once generation in flight has finished on the weights it started with.
+        # 4. Weight sync, once generation in flight has finished on the weights it started with
+        # (or under it: rollout.in_flight_updates).
         run.rollouts.pause()
+        if (waited := run.rollouts.waited()) is not None:
+            metrics["time_waiting_for_generation_s"] = waited
         run.engine.sync_weights(step)
         # What the engine computes otherwise on the weights it just received (off-policy runs).
         metrics.update(merge_sampler_kl(metrics, run.probe_sampler(samples)))
@@ -173,7 +177,7 @@ def train(
             log.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
             break
         if step < total:
-            run.rollouts.resume()
+            run.rollouts.resume(version=step)
     run.close()
     if bar is not None:
         bar.close()
@@ -203,11 +207,26 @@ def _stop_before_start(stop: StopFlag, step: int, run_dir: Path, lock) -> None:
 
 
 def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:
-    """How many updates behind the policy each sample's weights were."""
+    """How many updates behind the policy each sample's weights were (its oldest token's);
+    where tokens say their own versions, the share of samples whose tokens come from more than
+    one (``episodes_spanning_versions``) and of model tokens by age (``tokens_by_age/K``)."""
     lags = [current_version - s.policy_version for s in samples if s.policy_version is not None]
     if not lags:
         return {}
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+    out = {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+    per_token = [s for s in samples if s.token_versions is not None]
+    if per_token:
+        ages: Counter[int] = Counter()
+        spanning = 0
+        for s in per_token:
+            mask = s.response_mask or [1] * len(s.response_ids)
+            own = [v for v, m in zip(s.token_versions, mask, strict=True) if m and v >= 0]
+            ages.update(current_version - v for v in own)
+            spanning += len(set(own)) > 1
+        out["episodes_spanning_versions"] = spanning / len(per_token)
+        total = sum(ages.values()) or 1
+        out.update({f"tokens_by_age/{k}": n / total for k, n in sorted(ages.items())})
+    return out
 
 
 def _plot(run_dir: Path) -> None:

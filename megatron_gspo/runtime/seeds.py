@@ -53,6 +53,12 @@ def request_seed(seed: int, prompt_index: int, group_size: int) -> int:
     return seed + prompt_index * group_size
 
 
+def resubmit_seed(seed: int, sample: int, part: int) -> int:
+    """The ``part``-th resubmission (1-based) of sample ``sample`` of a request whose seed is
+    ``seed``, after an in-flight weight update aborted it (rollout.in_flight_updates)."""
+    return (seed * 1_000_037 + sample * 104_729 + part) % 2**62
+
+
 def eval_data_seed(base: int) -> int:
     """The stream of evaluation prompts drawn from a synthetic task."""
     return base + EVAL_SEED_OFFSET

@@ -51,11 +51,15 @@ class Sample:
     reward: float = 0.0
     # Index of the prompt the sample answers (groups share it).
     prompt_index: int = 0
-    # The weights version (updates applied) that generated it, where the engine knows.
+    # The weights version (updates applied) that generated it, where the engine knows: its
+    # oldest token's where weights changed under it (rollout.in_flight_updates).
     policy_version: int | None = None
     # MoE: the rollout engine's experts for each token the model reads, [num_tokens, MoE
     # layers, k] (megatron_gspo.model.routes), where the recipe asks for them.
     routes: np.ndarray | None = None
+    # Per response token: the version that sampled it (-1: unknown, or not the model's);
+    # None: policy_version for every model token.
+    token_versions: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +121,9 @@ class MicroBatch:
     # [b, s] int64 aligned with targets: the weights version that sampled each scored token
     # (-1 where unknown or not scored); tells on-policy tokens from stale ones.
     versions: torch.Tensor | None = None
+    # [b, s] bool aligned with targets: the token was sampled after the weights changed under
+    # its episode (rollout.in_flight_updates): a newer version than its episode's first token.
+    after_update: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -215,8 +222,9 @@ def plan_microbatches(
 
 
 def _sequence_arrays(s: Sample) -> tuple[list, ...]:
-    """Inputs, targets, loss mask, old log-probs, per-token advantages and the weights version
-    of each target token (-1: unknown, or not the model's) of one sequence."""
+    """Inputs, targets, loss mask, old log-probs, per-token advantages, the weights version
+    of each target token (-1: unknown, or not the model's) and whether weights changed under
+    its episode before it was sampled (1: an in-flight update) of one sequence."""
     ids = s.prompt_ids + s.response_ids
     p, n = len(s.prompt_ids), len(s.response_ids)
     inputs, targets = ids[:-1], ids[1:]
@@ -225,9 +233,15 @@ def _sequence_arrays(s: Sample) -> tuple[list, ...]:
     old = [0.0] * (p - 1) + list(s.rollout_logprobs or [0.0] * n)
     token_adv = s.token_advantages if s.token_advantages is not None else [s.advantage] * n
     adv = [0.0] * (p - 1) + [a if m else 0.0 for a, m in zip(token_adv, response, strict=True)]
-    v = -1 if s.policy_version is None else s.policy_version
-    versions = [-1] * (p - 1) + [v if m else -1 for m in response]
-    return inputs, targets, mask, old, adv, versions
+    if s.token_versions is not None:
+        own = [v if m else -1 for v, m in zip(s.token_versions, response, strict=True)]
+    else:
+        v = -1 if s.policy_version is None else s.policy_version
+        own = [v if m else -1 for m in response]
+    versions = [-1] * (p - 1) + own
+    first = min((v for v in own if v >= 0), default=-1)
+    after = [0] * (p - 1) + [int(v > first) for v in own]
+    return inputs, targets, mask, old, adv, versions, after
 
 
 def _causal(seq: int) -> torch.Tensor:
@@ -331,6 +345,7 @@ def build_microbatch(
             old_logprobs=row([a[3] for a in arrays], 0.0),
             token_advantages=row([a[4] for a in arrays], 0.0) if per_token else None,
             versions=row([a[5] for a in arrays], -1),
+            after_update=row([a[6] for a in arrays], 0).bool(),
             cu_seqlens=cu_padded[: len(lens) + 1],
             sample_indices=list(indices),
             padding_mask=padding[None],
@@ -341,7 +356,7 @@ def build_microbatch(
     # Empty rows (fixed shapes, or a filler batch) are sequences with no tokens: they
     # contribute nothing.
     empty = max(0, (rows or 1) - len(arrays))
-    arrays += [([], [], [], [], [], [])] * empty
+    arrays += [([], [], [], [], [], [], [])] * empty
     advantages = torch.cat([advantages, torch.zeros(empty)])
 
     def pad(parts: list[list], value) -> torch.Tensor:
@@ -360,6 +375,7 @@ def build_microbatch(
         old_logprobs=pad([a[3] for a in arrays], 0.0),
         token_advantages=pad([a[4] for a in arrays], 0.0) if per_token else None,
         versions=pad([a[5] for a in arrays], -1),
+        after_update=pad([a[6] for a in arrays], 0).bool(),
         cu_seqlens=None,
         sample_indices=list(indices),
         padding_mask=torch.arange(width)[None] >= torch.tensor([[len(a[0])] for a in arrays]),

@@ -161,8 +161,9 @@ class GSPOTrainer:
         (``rollout_sampler_kl``: the engine's error alone).
         """
         stats = self.policy.router_stats
-        # sum |d|, sum k3(d), tokens; then sum k3(d) and tokens of the on-policy tokens
-        diff = torch.zeros(5, dtype=torch.float64)
+        # sum |d|, sum k3(d), tokens; then sum k3(d) and tokens of the on-policy tokens, and
+        # of the tokens sampled after an in-flight update
+        diff = torch.zeros(7, dtype=torch.float64)
         self.policy.train(False)
         for p_idx, plan in enumerate(plans):
             hooks = {}
@@ -179,10 +180,16 @@ class GSPOTrainer:
                 if mb.has_rollout_logprobs and reports_metrics(tokens=True):
                     d = (lp - mb.old_logprobs).double()
                     k3 = (d.exp() - 1 - d) * mb.loss_mask
+                    after = torch.zeros_like(k3)
+                    if mb.after_update is not None:
+                        after = mb.after_update.to(k3) * mb.loss_mask
                     on = torch.zeros_like(k3)
                     if version is not None:
-                        on = (mb.versions == version).to(k3) * mb.loss_mask
+                        # Not a token whose KV cache older weights computed: that is the
+                        # in-flight update's error, reported on its own, not the engine's.
+                        on = (mb.versions == version).to(k3) * mb.loss_mask * (1 - after)
                     sums = [d.abs().sum(), k3.sum(), mb.loss_mask.sum(), (k3 * on).sum(), on.sum()]
+                    sums += [(k3 * after).sum(), after.sum()]
                     diff += torch.stack(sums).to(diff)
                 mb.old_logprobs = lp
         self.policy.train(True)
@@ -194,6 +201,7 @@ class GSPOTrainer:
             "rollout_logprob_abs_diff": float(diff[0] / diff[2]),
             "rollout_kl_k3": float(diff[1] / diff[2]),
             **sampler_kl_metrics(float(diff[3]), float(diff[4])),
+            **_split_k3(diff),
         }
 
     @torch.no_grad()
@@ -418,3 +426,15 @@ class GSPOTrainer:
 
 def _all_of(samples: list[Sample], version: int | None) -> bool:
     return version is not None and all(s.policy_version == version for s in samples)
+
+
+def _split_k3(diff: torch.Tensor) -> dict[str, float]:
+    """``rollout_kl_k3`` over the tokens sampled after an in-flight update and over the rest
+    (none without in-flight updates: nothing then)."""
+    if diff[6] == 0:
+        return {}
+    rest = diff[2] - diff[6]
+    return {
+        "rollout_kl_k3_after_update": float(diff[5] / diff[6]),
+        "rollout_kl_k3_before_update": float((diff[1] - diff[5]) / rest) if rest > 0 else 0.0,
+    }

@@ -209,9 +209,10 @@ class VLLMServer:
         max_model_len: int = 128,
         env: dict[str, str] | None = None,
         weight_transfer: str = "gspo",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         """``env``: more of the server's environment; ``weight_transfer``: the backend of
-        vLLM's RL API the trainer syncs through."""
+        vLLM's RL API the trainer syncs through; ``extra_args``: more of vLLM's options."""
         self.weight_transfer = weight_transfer
         from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
 
@@ -225,7 +226,7 @@ class VLLMServer:
         extra = ["--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len)]
         # A budget that never splits a prefill (see local_server.cpu_serving_args).
         extra += ["--max-num-seqs", "64", "--seed", "0"]
-        extra += ["--max-num-batched-tokens", str(64 * max_model_len)]
+        extra += ["--max-num-batched-tokens", str(64 * max_model_len), *extra_args]
         cmd = server_command(
             str(model_dir),
             host="127.0.0.1",

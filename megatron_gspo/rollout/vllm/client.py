@@ -42,7 +42,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +156,8 @@ class VLLMClient:
         retry_backoff_s: float = 1.0,
         max_concurrent_requests: int = 256,
         moe_layers: Sequence[int] = (),
+        in_flight: str | None = None,
+        wait_for_weights: Callable[[], None] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMClient needs at least one server URL")
@@ -169,6 +171,11 @@ class VLLMClient:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.max_concurrent_requests = max_concurrent_requests
+        # rollout.in_flight_updates (keep | resubmit): generation through vLLM's token route,
+        # every token labelled with its weights version (.in_flight); wait_for_weights blocks
+        # until a sync under way has finished (the engine's).
+        self.in_flight = in_flight
+        self.wait_for_weights = wait_for_weights or (lambda: None)
 
     def call(
         self,
@@ -280,6 +287,10 @@ class VLLMClient:
     ) -> list[Completion]:
         """``group_size`` samples of one prompt from one server, in an event loop; connection
         errors and 5xx answers are retried with backoff, like :meth:`call`."""
+        if self.in_flight is not None:
+            from megatron_gspo.rollout.vllm.in_flight import complete_versioned
+
+            return await complete_versioned(self, http, url, prompt, params, seed)
         body = self.completion_body(prompt, params, seed)
         return self.completions(url, await self._post(http, url, "/v1/completions", body), params)
 

@@ -9,12 +9,18 @@ version, and a server reports ``partial`` while one is under way (:mod:`.sync`).
 generation first asks each server for its ``/weight_info``, refuses to sample from one that
 holds anything but the last synced version (a half-finished sync, a restarted server), and
 stamps each completion with the version that produced it.
+
+With ``in_flight`` (``rollout.in_flight_updates.mode``) a sync does not wait for generation:
+the pipeline's thread keeps requesting while the main thread syncs (:mod:`.in_flight`). A
+request started during a sync waits until it has finished (``wait_for_weights``, at most
+``sync_timeout_s``), and every token carries the version the server labelled it with.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +65,7 @@ class VLLMEngine:
         api_key: str | None = None,
         retry_backoff_s: float = 1.0,
         health_timeout_s: float | None = None,
+        in_flight: str | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -71,6 +78,10 @@ class VLLMEngine:
         self.client: VLLMClient | None = None
         self.servers: Servers | None = None
         self._sync = None
+        self.in_flight = in_flight
+        # Set while no sync is under way: generation threads wait on it (in_flight).
+        self._weights_ready = threading.Event()
+        self._weights_ready.set()
         if self.rank == 0:
             self.client = VLLMClient(
                 list(urls) if urls is not None else resolve_urls(config),
@@ -80,6 +91,8 @@ class VLLMEngine:
                 max_retries=config.max_retries,
                 retry_backoff_s=retry_backoff_s,
                 moe_layers=model_config.moe_layers,
+                in_flight=in_flight,
+                wait_for_weights=self.wait_for_weights,
             )
             self.servers = Servers(self.client, timeout_s=config.sync_timeout_s)
         if health_timeout_s is not None:
@@ -96,16 +109,29 @@ class VLLMEngine:
         assert self.servers is not None
         return self.servers.versions()
 
-    def check_versions(self) -> dict[str, Any]:
-        """Every server's weights version, refusing a failed sync or a server that holds
-        another version than the last synced one (rank 0)."""
+    def wait_for_weights(self) -> None:
+        """Block while a sync is under way (its deadline, then an error naming it); refuse
+        to go on after a failed one."""
+        if not self._weights_ready.wait(self.config.sync_timeout_s):
+            raise VLLMRequestError(
+                f"the weight sync did not finish within rollout.vllm.sync_timeout_s = "
+                f"{self.config.sync_timeout_s:g} s; generation waiting on it stops"
+            )
         if self._failed_sync is not None:
             raise VLLMRequestError(
                 f"the weight sync to version {self._failed_sync} failed; the servers "
                 f"({', '.join(self.client.urls)}) may hold a partial update, so nothing is "
                 "sampled until a sync succeeds"
             )
-        versions = self.server_versions()
+
+    def check_versions(self) -> dict[str, Any]:
+        """Every server's weights version, refusing a failed sync or a server that holds
+        another version than the last synced one (rank 0). A sync under way is waited for."""
+        while True:
+            self.wait_for_weights()
+            versions = self.server_versions()
+            if self._weights_ready.is_set():  # else a sync began meanwhile: read after it
+                break
         if self.version is not None:
             stale = {u: v for u, v in versions.items() if v != self.version}
             if stale:
@@ -127,7 +153,7 @@ class VLLMEngine:
         for i, group in enumerate(result.completions):
             version = versions[self.client.server_for(i)]
             for c in group:
-                c.policy_version = version if isinstance(version, int) else None
+                c.stamp(version)
         return result
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
@@ -155,24 +181,31 @@ class VLLMEngine:
         mapping = HFMapping(self.model_config)
         tensors = mapping.iter_hf(iter_full_tensors(self.model, mapping, dst=0))
         outcome: tuple[str, Any] = ("ok", None)
-        if self.rank == 0:
-            try:
-                outcome = ("ok", self._sync_driver(mapping).push(tensors, version))
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                outcome = ("error", e)
-        # Other ranks (and rank 0 after a failure) still drive the gather to its end.
-        for _ in tensors:
-            pass
+        self._weights_ready.clear()
+        try:
+            if self.rank == 0:
+                try:
+                    outcome = ("ok", self._sync_driver(mapping).push(tensors, version))
+                except Exception as e:  # noqa: BLE001 - reported on every rank below
+                    outcome = ("error", e)
+            # Other ranks (and rank 0 after a failure) still drive the gather to its end.
+            for _ in tensors:
+                pass
 
-        def finish(client: VLLMClient) -> dict[str, float]:
-            status, value = outcome
-            if status == "error":
-                raise value
-            return value.metrics()
+            def finish(client: VLLMClient) -> dict[str, float]:
+                status, value = outcome
+                if status == "error":
+                    raise value
+                return value.metrics()
 
-        self._failed_sync = version
-        self.last_sync = self._on_rank0(finish)
-        self.version, self._failed_sync = version, None
+            # Until every rank has the outcome; a failure leaves it set (nothing is sampled).
+            self._failed_sync = version
+            self.last_sync = self._on_rank0(finish)
+            self.version, self._failed_sync = version, None
+        finally:
+            # Generation waiting on the sync wakes to its outcome (check_versions refuses a
+            # failed one).
+            self._weights_ready.set()
 
     def _sync_driver(self, mapping):
         """The sync through vLLM's RL routes, with the transport the servers were started for
@@ -204,7 +237,7 @@ class VLLMEngine:
                 timeout_s=cfg.sync_timeout_s,
                 host=sync.sync_host(cfg.sync_host, self.client.urls),
             )
-        self._sync = sync.WeightSync(self.servers, transport)
+        self._sync = sync.WeightSync(self.servers, transport, in_flight=self.in_flight)
         return self._sync
 
     def close(self) -> None:

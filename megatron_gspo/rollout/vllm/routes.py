@@ -85,6 +85,11 @@ class Servers:
         flag = "true" if clear_cache else "false"
         self._all(lambda url: self._post(url, f"/pause?mode={mode}&clear_cache={flag}"))
 
+    def abort_all(self) -> None:
+        """End every request in flight, frozen ones included, leaving the pause state as it
+        is (``/pause?mode=abort`` on a server paused with ``keep`` lets them run instead)."""
+        self._all(lambda url: self._post(url, "/abort_requests", {}))
+
     def resume(self) -> None:
         self._all(lambda url: self._post(url, "/resume"))
 

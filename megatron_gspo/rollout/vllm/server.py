@@ -73,6 +73,9 @@ def server_command(
     cmd += ["--tensor-parallel-size", str(tensor_parallel)]
     if weight_transfer is not None:
         cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+        # The token route whose answers say which weights produced each token
+        # (rollout.in_flight_updates; behind the job key like every route).
+        cmd += ["--enable-scale-out"]
     cmd += ["--middleware", MIDDLEWARE]
     if dtype is not None:
         cmd += ["--dtype", dtype]

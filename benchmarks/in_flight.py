@@ -1,0 +1,206 @@
+"""Draining before each weight sync against updating weights in flight, in one run.
+
+One CPU vLLM server on a tiny Qwen3-MoE; ``rollout.max_staleness: 1``; the project's rollout
+queue (episodes/pipeline.py) and vLLM client in both modes, on the same draws. Every step
+trains for a fixed ``--train-s`` (a sleep: the trainer's cost is not what is measured) and then
+syncs: ``/pause`` (``wait`` when draining, ``keep`` in flight), the version label ``partial``,
+``--sync-s`` of transfer (a sleep; benchmarks/weight_sync.py measures the real one), the new
+version, ``/resume``. Each sample is its own request whose length is drawn from a lognormal
+(median ``--median`` tokens, ``--sigma``, capped at ``--max-tokens``; the stop forced at the
+drawn length), so a batch's tail is a few long samples.
+
+Printed per mode: samples/s over the steps after the first, the trainer's idle time (waiting
+for generation: the queue's ``waited()``), and the share of samples whose tokens span two
+versions. Also the best ratio these draws allow: a drained step costs at least the train step
+or its batch's longest sample, whichever is longer, and the sync; a step in flight at best
+pays its batch's mean sample instead of its longest (``d``, the seconds per decoded token of a
+sequence, measured first on this server):
+``sum(max(T, d * Lmax) + S) / sum(max(T, d * Lmean) + S)``.
+
+The last line: ``in_flight: drain <X> samples/s, in-flight <Y> samples/s, ratio <Y/X>``.
+
+    python benchmarks/in_flight.py [--steps 10] [--batch 16] [--median 40] [--sigma 1.0]
+
+Needs vllm (``.ci/vllm-setup.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def draw_lengths(args) -> list[list[int]]:
+    """Per step, each sample's length (fixed seed: both modes get the same draws)."""
+    rng = random.Random(args.seed)
+    return [
+        [
+            max(1, min(args.max_tokens, round(rng.lognormvariate(0, args.sigma) * args.median)))
+            for _ in range(args.batch)
+        ]
+        for _ in range(args.steps + 2)
+    ]
+
+
+class Bench:
+    """A client, its servers' routes and the engine's sync gate, for one mode."""
+
+    def __init__(self, url: str, key: str, mode: str | None, lengths, args) -> None:
+        from megatron_gspo.rollout.vllm.client import VLLMClient
+        from megatron_gspo.rollout.vllm.routes import Servers
+
+        self.ready = threading.Event()
+        self.ready.set()
+        self.client = VLLMClient(
+            [url], api_key=key, request_timeout_s=600, in_flight="keep",
+            wait_for_weights=self.ready.wait,
+        )  # fmt: skip
+        self.servers = Servers(VLLMClient([url], api_key=key), timeout_s=600)
+        self.mode, self.lengths, self.args, self.version = mode, lengths, args, 0
+
+    def rollout(self, step: int, prompts):
+        """The step's samples, each its own request of its drawn length."""
+        from megatron_gspo.episodes.episode import Episode
+        from megatron_gspo.rollout.protocol import SamplingParams
+
+        self.ready.wait()
+        version = self.version
+
+        async def run():
+            async with self.client.session() as http:
+                jobs = []
+                for i, n in enumerate(self.lengths[step]):
+                    p = SamplingParams(
+                        group_size=1, max_new_tokens=n, min_new_tokens=n, seed=step * 1000 + i
+                    )
+                    jobs.append(self.client.complete(http, self.client.urls[0], [5, 6, 7], p, p.seed))
+                return await asyncio.gather(*jobs)
+
+        groups = asyncio.run(run())
+        for [c] in groups:
+            c.stamp(version)
+        return [[Episode.from_completion(c)] for [c] in groups], {}
+
+    def sync(self, version: int) -> None:
+        self.ready.clear()
+        try:
+            self.servers.pause("keep" if self.mode else "wait")
+            self.servers.set_version("partial")
+            time.sleep(self.args.sync_s)
+            self.servers.set_version(str(version))
+            self.servers.resume()
+            self.version = version
+        finally:
+            self.ready.set()
+
+
+def run_mode(url: str, key: str, mode: str | None, lengths, args) -> dict[str, float]:
+    from megatron_gspo.episodes.pipeline import RolloutPipeline
+
+    bench = Bench(url, key, mode, lengths, args)
+    bench.sync(0)
+    queue = RolloutPipeline(
+        bench.rollout, lambda step: [], max_staleness=1, next_step=1, in_flight=mode is not None
+    )
+    queue.resume(version=0)
+    idle = spanning = samples = 0.0
+    start = None
+    try:
+        for step in range(1, args.steps + 1):
+            batch = queue.take(step, current_version=step - 1)
+            if step == 1:  # the first batch has nothing to overlap with
+                start, _ = time.perf_counter(), queue.waited()
+            else:
+                samples += len(batch.episodes)
+                spanning += sum(e.spans_versions for [e] in batch.episodes)
+            time.sleep(args.train_s)  # the training step
+            queue.pause()
+            if step > 1:
+                idle += queue.waited()
+            bench.sync(step)
+            queue.resume(version=step)
+        elapsed = time.perf_counter() - start
+    finally:
+        queue.close()
+    return {
+        "samples_per_s": samples / elapsed,
+        "idle_s": idle,
+        "elapsed_s": elapsed,
+        "spanning": spanning / max(samples, 1),
+    }
+
+
+def decode_seconds_per_token(url: str, key: str, args) -> float:
+    """One sequence's seconds per decoded token at the batch's concurrency."""
+    from megatron_gspo.rollout.protocol import RolloutRequest, SamplingParams
+    from megatron_gspo.rollout.vllm.client import VLLMClient
+
+    client = VLLMClient([url], api_key=key, request_timeout_s=600)
+    n = args.max_tokens
+    p = SamplingParams(group_size=args.batch, max_new_tokens=n, min_new_tokens=n, seed=1)
+    client.generate(RolloutRequest([[5, 6, 7]], p))  # warm
+    t = time.perf_counter()
+    client.generate(RolloutRequest([[5, 6, 7]], p))
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--median", type=int, default=40)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=480)
+    ap.add_argument("--train-s", type=float, default=1.0)
+    ap.add_argument("--sync-s", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from megatron_gspo.rollout.vllm.local_server import (
+        cpu_serving_args,
+        served,
+        write_served_model,
+    )
+    from tests.support.vllm_tiny import VLLM_TINY_MOE
+
+    cfg = VLLM_TINY_MOE.model_copy(update={"max_seq_length": args.max_tokens + 16})
+    lengths = draw_lengths(args)
+    flat = [n for step in lengths[1 : args.steps + 1] for n in step]
+    print(
+        f"lengths: median {statistics.median(flat):.0f}, mean {statistics.mean(flat):.0f}, "
+        f"max {max(flat)} tokens; {args.batch} samples a step, {args.steps} steps"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_served_model(Path(tmp) / "model", cfg)
+        extra = [*cpu_serving_args(cfg.max_seq_length, max_num_seqs=4 * args.batch)]
+        with served(model_dir, [*extra, "--seed", "0"]) as (url, key):
+            d = decode_seconds_per_token(url, key, args)
+            results = {name: run_mode(url, key, mode, lengths, args)
+                       for name, mode in (("drain", None), ("in-flight", "keep"))}  # fmt: skip
+    t, s = args.train_s, args.sync_s
+    steps = lengths[2 : args.steps + 1]  # the batches trained after the first
+    best = sum(max(t, d * max(b)) + s for b in steps) / sum(
+        max(t, d * statistics.mean(b)) + s for b in steps
+    )
+    for name, r in results.items():
+        print(
+            f"{name}: {r['samples_per_s']:.2f} samples/s, trainer idle {r['idle_s']:.1f} s of "
+            f"{r['elapsed_s']:.1f} s, samples spanning two versions {r['spanning']:.0%}"
+        )
+    print(f"decode {d * 1e3:.1f} ms per token; best ratio these draws allow: {best:.2f}")
+    x, y = results["drain"]["samples_per_s"], results["in-flight"]["samples_per_s"]
+    print(f"in_flight: drain {x:.2f} samples/s, in-flight {y:.2f} samples/s, ratio {y / x:.2f}")
+
+
+if __name__ == "__main__":
+    main()

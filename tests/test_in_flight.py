@@ -1,0 +1,316 @@
+"""In-flight weight updates (``rollout.in_flight_updates``) without a server: the recipe's
+rules, versions per token from an engine's answer through episodes, checkpoints, samples,
+packing, the context-parallel split, pipeline stages and the rollout queue to the trainer's
+split mismatch figures, the queue's schedule (no waiting for a batch's tail before a sync, no
+batch beyond the staleness bound), and the engine's deadline for a sync under way.
+
+The same against a real vLLM server: tests/test_in_flight_vllm.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_gspo.config import Recipe
+from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.pipeline import RolloutPipeline
+from megatron_gspo.rollout.protocol import Completion
+from megatron_gspo.run.loop import staleness_metrics
+from tests.support.ranks import run_distributed
+from tests.support.rl_fixtures import rollout_batch, tiny_recipe
+from tests.support.steps import LINEAR_ADAM
+
+
+def test_the_recipe_refuses_in_flight_updates_an_engine_cannot_do():
+    base = tiny_recipe().model_dump()
+    for rollout, named in (
+        ({"max_staleness": 0, "engine": "vllm"}, "max_staleness 0"),
+        ({"max_staleness": 1, "engine": "local"}, "engine 'local'"),
+    ):
+        data = {**base, "rollout": {**base["rollout"], **rollout}}
+        data["rollout"]["in_flight_updates"] = {"mode": "keep"}
+        with pytest.raises(ValueError, match="in_flight_updates") as e:
+            Recipe.model_validate(data)
+        assert named in str(e.value)
+    data = {**base, "rollout": {**base["rollout"], "max_staleness": 1, "engine": "vllm"}}
+    data["rollout"]["in_flight_updates"] = {"mode": "wait"}
+    with pytest.raises(ValueError, match="keep"):
+        Recipe.model_validate(data)
+
+
+# -- versions per token ------------------------------------------------------------------------
+
+
+def _turn(ids, versions) -> Completion:
+    c = Completion(ids, [-0.5] * len(ids), "length", token_versions=versions)
+    c.stamp("ignored: the tokens say it")
+    return c
+
+
+def test_an_episodes_tokens_keep_their_versions_through_a_checkpoint():
+    e = Episode()
+    e.add_model_turn(_turn([3, 4, 5], [4, 4, 5]))  # the weights changed under this turn
+    e.add_observation([9, 9])
+    e.add_model_turn(_turn([6, 7], [5, 5]))
+    assert e.versions == [4, 5], "a turn's version is its oldest token's"
+    assert e.token_versions == [4, 4, 5, -1, -1, 5, 5]
+    assert e.spans_versions
+    back = Episode.from_json(e.to_json())
+    assert back.token_versions == e.token_versions and back.versions == e.versions
+    # A queue saved before versions per token: each token takes its turn's.
+    old = e.to_json()
+    del old["token_versions"]
+    assert Episode.from_json(old).token_versions == [4, 4, 4, -1, -1, 5, 5]
+    one = Episode.from_completion(Completion([1, 2], [-1.0, -1.0], "stop", policy_version=3))
+    assert one.token_versions == [3, 3] and not one.spans_versions
+
+
+def _spanning(seed: int):
+    """The fixture's samples: a third sampled by version 5 (the policy's) alone, a third by
+    version 4 alone, a third begun on 4 and finished on 5 (an in-flight update half-way)."""
+    out = []
+    for i, s in enumerate(rollout_batch(seed=seed)):
+        n = len(s.response_ids)
+        versions = [[5] * n, [4] * n, [4] * (n // 2) + [5] * (n - n // 2)][i % 3]
+        out.append(dataclasses.replace(s, policy_version=min(versions), token_versions=versions))
+    return out
+
+
+def test_versions_and_the_update_mark_reach_every_packed_token():
+    from megatron_gspo.trainer.packing import _sequence_arrays
+
+    s = _spanning(seed=2)[2]
+    *_, versions, after = _sequence_arrays(s)
+    p, n = len(s.prompt_ids), len(s.response_ids)
+    assert versions == [-1] * (p - 1) + s.token_versions
+    assert after == [0] * (p - 1) + [0] * (n // 2) + [1] * (n - n // 2)
+    masked = dataclasses.replace(s, response_mask=[1] * (n - 1) + [0])
+    *_, versions, _ = _sequence_arrays(masked)
+    assert versions[-1] == -1, "an environment token has no version"
+
+
+def _metrics(rank: int, world: int, recipe: Recipe, samples, version, weights=None):
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
+    from megatron_gspo.weights import gather_full_state_dict
+
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    if weights is not None:
+        policy.load_full_state_dict(weights)
+    trainer = GSPOTrainer(policy)
+    metrics = trainer.compute_old_logprobs(trainer.plan(samples), version)
+    policy.train(False)
+    reference = []
+    if world > 1:  # the plain forward below is one rank's
+        return metrics, reference, None
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            n = ids.shape[1] - 1
+            mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+            logits = policy.model(ids[:, :-1], torch.arange(n)[None], mask)[0].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            reference.append(lp[len(s.prompt_ids) - 1 :])
+    return metrics, reference, gather_full_state_dict(policy.model)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_the_mismatch_of_tokens_after_an_update_is_reported_apart(packing):
+    """``rollout_kl_k3_after_update`` is k3's mean over the tokens sampled after the weights
+    changed under their episode, ``_before_update`` over the rest; ``rollout_sampler_kl``
+    leaves them out (their cache came from older weights: not the engine's own error)."""
+    samples = _spanning(seed=11)
+    recipe = tiny_recipe(optimizer=LINEAR_ADAM, train={"mini_batches": 1, "packing": packing})
+    metrics, reference, _ = run_distributed(_metrics, 1, recipe, samples, 5)[0]
+    d = torch.cat(
+        [
+            ref.double() - torch.tensor(s.rollout_logprobs).double()
+            for s, ref in zip(samples, reference, strict=True)
+        ]
+    )
+    k3 = d.exp() - 1 - d
+    versions = torch.tensor([v for s in samples for v in s.token_versions])
+    first = torch.tensor([s.policy_version for s in samples for _ in s.token_versions])
+    after = versions > first
+    on = (versions == 5) & ~after
+    for name, mask in (
+        ("rollout_kl_k3_after_update", after),
+        ("rollout_kl_k3_before_update", ~after),
+        ("rollout_sampler_kl", on),
+    ):
+        want = float(k3[mask].mean())
+        assert abs(metrics[name] - want) <= 1e-5 * want, f"{name}: {metrics[name]} != {want}"
+    assert metrics["rollout_sampler_kl_tokens"] == float(on.sum())
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param({"context_parallel_size": 2}, id="cp2"),
+        pytest.param({"pipeline_model_parallel_size": 2}, id="pp2"),
+    ],
+)
+def test_the_split_figures_of_a_parallel_layout_equal_one_ranks(parallel):
+    samples = _spanning(seed=11)
+    one_rank = tiny_recipe(optimizer=LINEAR_ADAM, train={"mini_batches": 1})
+    one, _, weights = run_distributed(_metrics, 1, one_rank, samples, 5)[0]
+    recipe = tiny_recipe(optimizer=LINEAR_ADAM, parallel=parallel, train={"mini_batches": 1})
+    results = run_distributed(_metrics, 2, recipe, samples, 5, weights)
+    two = next(m for m, *_ in results if "rollout_kl_k3_after_update" in m)
+    for name in ("rollout_kl_k3_after_update", "rollout_kl_k3_before_update"):
+        assert abs(two[name] - one[name]) <= 1e-5 * one[name], (name, two[name], one[name])
+
+
+def test_staleness_counts_the_oldest_token_and_tokens_by_age():
+    samples = _spanning(seed=3)
+    m = staleness_metrics(samples, current_version=5)
+    assert m["staleness_max"] == 1.0
+    assert m["episodes_spanning_versions"] == pytest.approx(
+        sum(len(set(s.token_versions)) > 1 for s in samples) / len(samples)
+    )
+    tokens = [v for s in samples for v in s.token_versions]
+    assert m["tokens_by_age/0"] == pytest.approx(tokens.count(5) / len(tokens))
+    assert m["tokens_by_age/1"] == pytest.approx(tokens.count(4) / len(tokens))
+
+
+# -- the queue ---------------------------------------------------------------------------------
+
+
+class _HeldRollout:
+    """Batches that run until the test lets them end, each episode's first token stamped with
+    the version the engine held when the batch started and its last with the one it holds
+    when the batch ends (the test sets ``version``, as a sync does)."""
+
+    def __init__(self) -> None:
+        self.version, self.started = 0, []
+        self.release = {step: threading.Event() for step in range(1, 10)}
+
+    def __call__(self, step: int, prompts):
+        start = self.version
+        self.started.append((step, start))
+        assert self.release[step].wait(30)
+        c = _turn([1, 2], [start, self.version])
+        return [[Episode.from_completion(c)]], {}
+
+
+def _eventually(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_in_flight_the_queue_syncs_under_a_batch_and_starts_the_next_beside_it():
+    """max_staleness 1: after the sync to version v the batch of step v + 2 starts at once,
+    beside the tail of step v + 1's, whose tokens then come from two versions; nothing
+    waits before the sync, and no batch is staler than the bound."""
+    rollout = _HeldRollout()
+    queue = RolloutPipeline(rollout, lambda step: [], max_staleness=1, next_step=1, in_flight=True)
+    try:
+        queue.resume(version=0)  # batches 1 and 2 on version 0 (2 is trained at step 2: lag 1)
+        assert _eventually(lambda: len(rollout.started) == 2), rollout.started
+        rollout.release[1].set()
+        queue.take(1, current_version=0)
+        start = time.perf_counter()
+        queue.pause()  # batch 2 is still running
+        assert time.perf_counter() - start < 1.0, "the sync waited for generation"
+        rollout.version = 1  # the sync, with batch 2 in flight
+        queue.resume(version=1)  # batch 3 may start now: trained at step 3, lag 1
+        assert _eventually(lambda: (3, 1) in rollout.started), "batch 3 waited for batch 2"
+        assert len(rollout.started) == 3, "a batch beyond the staleness bound started"
+        rollout.release[2].set()
+        [[episode]] = queue.take(2, current_version=1).episodes
+        assert episode.token_versions == [0, 1] and episode.spans_versions
+        assert queue.waited() >= 0
+    finally:
+        for event in rollout.release.values():
+            event.set()
+        queue.close()
+
+
+def test_a_checkpoint_taken_with_a_batch_in_flight_holds_it_finished_and_resumes_it():
+    """The save waits for the batch generated across the sync and keeps its tokens' versions;
+    a queue restored from it hands out the same batch."""
+    rollout = _HeldRollout()
+    queue = RolloutPipeline(rollout, lambda step: [], max_staleness=1, next_step=1, in_flight=True)
+    try:
+        queue.resume(version=0)
+        rollout.release[1].set()
+        queue.take(1, current_version=0)
+        queue.pause()
+        rollout.version = 1
+        threading.Timer(0.2, rollout.release[2].set).start()
+        saved = queue.state()  # waits for batch 2, begun on version 0
+    finally:
+        for event in rollout.release.values():
+            event.set()
+        queue.close()
+    assert [b["step"] for b in saved][0] == 2
+    later = _HeldRollout()
+    for event in later.release.values():
+        event.set()
+    again = RolloutPipeline(later, lambda step: [], max_staleness=1, next_step=2, in_flight=True)
+    try:
+        again.restore(saved[:1])
+        [[episode]] = again.take(2, current_version=1).episodes
+    finally:
+        again.close()
+    assert episode.token_versions == [0, 1], "the versions did not survive the checkpoint"
+
+
+def test_drained_the_queue_waits_for_generation_before_the_sync():
+    rollout = _HeldRollout()
+    queue = RolloutPipeline(rollout, lambda step: [], max_staleness=1, next_step=1)
+    try:
+        queue.resume(version=0)
+        rollout.release[1].set()
+        queue.take(1, current_version=0)
+        assert _eventually(lambda: len(rollout.started) == 2)
+        queue.waited()
+        threading.Timer(0.3, rollout.release[2].set).start()
+        queue.pause()  # until batch 2 has ended
+        assert queue.waited() >= 0.2, "the sync did not wait for the batch in flight"
+        rollout.version = 1
+        queue.resume(version=1)
+        [[episode]] = queue.take(2, current_version=1).episodes
+        assert episode.token_versions == [0, 0]
+    finally:
+        for event in rollout.release.values():
+            event.set()
+        queue.close()
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+def test_generation_waits_for_a_sync_under_way_until_its_deadline():
+    from megatron_gspo.config import ModelConfig, VLLMConfig
+    from megatron_gspo.rollout.vllm.client import VLLMRequestError
+    from megatron_gspo.rollout.vllm.engine import VLLMEngine
+
+    engine = VLLMEngine(
+        VLLMConfig(urls=["http://127.0.0.1:9"], sync_timeout_s=0.3),
+        ModelConfig(**tiny_recipe().model.model_dump()),
+        in_flight="keep",
+    )
+    engine._weights_ready.clear()  # a sync under way that never ends
+    with pytest.raises(VLLMRequestError, match="sync_timeout_s = 0.3"):
+        engine.wait_for_weights()
+    # One that ends: the waiter wakes to its outcome.
+    waiter = threading.Thread(target=engine.wait_for_weights)
+    engine.config = engine.config.model_copy(update={"sync_timeout_s": 10})
+    waiter.start()
+    engine._failed_sync = None
+    engine._weights_ready.set()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+    engine._failed_sync = 7
+    with pytest.raises(VLLMRequestError, match="version 7 failed"):
+        engine.wait_for_weights()
