@@ -63,7 +63,7 @@ class Bench:
         self.ready.set()
         self.client = VLLMClient(
             [url], api_key=key, request_timeout_s=600, in_flight="keep",
-            wait_for_weights=self.ready.wait,
+            wait_for_weights=self.ready.wait, weights_version=lambda: self.version,
         )  # fmt: skip
         self.servers = Servers(VLLMClient([url], api_key=key), timeout_s=600)
         self.mode, self.lengths, self.args, self.version = mode, lengths, args, 0
@@ -83,7 +83,8 @@ class Bench:
                     p = SamplingParams(
                         group_size=1, max_new_tokens=n, min_new_tokens=n, seed=step * 1000 + i
                     )
-                    jobs.append(self.client.complete(http, self.client.urls[0], [5, 6, 7], p, p.seed))
+                    url = self.client.urls[0]
+                    jobs.append(self.client.complete(http, url, [5, 6, 7], p, p.seed))
                 return await asyncio.gather(*jobs)
 
         groups = asyncio.run(run())
@@ -94,7 +95,8 @@ class Bench:
     def sync(self, version: int) -> None:
         self.ready.clear()
         try:
-            self.servers.pause("keep" if self.mode else "wait")
+            mode = "keep" if self.mode else "wait"
+            self.servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/sync.py
             self.servers.set_version("partial")
             time.sleep(self.args.sync_s)
             self.servers.set_version(str(version))

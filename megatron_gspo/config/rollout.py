@@ -157,9 +157,7 @@ class RolloutConfig(_Section):
             raise ValueError(
                 f"rollout.max_rollout_kl_steps must be >= 1, got {self.max_rollout_kl_steps}"
             )
-        if self.in_flight_updates is not None and (
-            self.max_staleness < 1 or self.engine != "vllm"
-        ):
+        if self.in_flight_updates is not None and (self.max_staleness < 1 or self.engine != "vllm"):
             raise ValueError(
                 "rollout.in_flight_updates needs rollout.max_staleness >= 1 and rollout.engine: "
                 f"vllm (got max_staleness {self.max_staleness}, engine {self.engine!r}): the "

@@ -158,6 +158,7 @@ class VLLMClient:
         moe_layers: Sequence[int] = (),
         in_flight: str | None = None,
         wait_for_weights: Callable[[], None] | None = None,
+        weights_version: Callable[[], int | None] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMClient needs at least one server URL")
@@ -173,9 +174,11 @@ class VLLMClient:
         self.max_concurrent_requests = max_concurrent_requests
         # rollout.in_flight_updates (keep | resubmit): generation through vLLM's token route,
         # every token labelled with its weights version (.in_flight); wait_for_weights blocks
-        # until a sync under way has finished (the engine's).
+        # until a sync under way has finished (the engine's); weights_version, the version
+        # last synced, salts each request's prefix cache (.in_flight.generate_body).
         self.in_flight = in_flight
         self.wait_for_weights = wait_for_weights or (lambda: None)
+        self.weights_version = weights_version or (lambda: None)
 
     def call(
         self,

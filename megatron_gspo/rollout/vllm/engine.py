@@ -93,6 +93,7 @@ class VLLMEngine:
                 moe_layers=model_config.moe_layers,
                 in_flight=in_flight,
                 wait_for_weights=self.wait_for_weights,
+                weights_version=lambda: self.version,
             )
             self.servers = Servers(self.client, timeout_s=config.sync_timeout_s)
         if health_timeout_s is not None:

@@ -11,8 +11,10 @@ computed it.
 How a sync treats the requests in flight is the sync's choice (:mod:`.sync`):
 
 ``keep``
-    ``/pause?mode=keep`` freezes them; after ``/resume`` they go on over the KV cache the old
-    weights computed. Nothing changes here but the labels.
+    ``/pause?mode=keep&clear_cache=false`` freezes them; after ``/resume`` they go on over the
+    KV cache the old weights computed. Nothing changes here but the labels. (With
+    ``clear_cache=true``, vLLM 0.32's default, the pause preempts the frozen requests and they
+    recompute their prefix on the new weights: resubmit's effect at keep's name.)
 ``resubmit``
     ``/pause?mode=abort`` ends them with ``finish_reason: abort`` and the tokens they had.
     Each aborted sample waits until the new weights are in (``wait_for_weights``, the
@@ -38,10 +40,19 @@ ROUTE = "/inference/v1/generate"
 
 
 def generate_body(
-    prompt: list[int], params: SamplingParams, seed: int, model: str | None
+    prompt: list[int],
+    params: SamplingParams,
+    seed: int,
+    model: str | None,
+    version: int | None = None,
 ) -> dict[str, Any]:
     """The request for ``group_size`` samples of ``prompt``, as ``/v1/completions`` would
-    sample them (stop ids explicit, end-of-sequence ignored, the sampled tokens' log-probs)."""
+    sample them (stop ids explicit, end-of-sequence ignored, the sampled tokens' log-probs).
+
+    ``version``, the weights last synced, salts the prefix cache: a keep update leaves the old
+    weights' blocks cached, and a later request (an episode's next turn, the next batch's
+    prompts) would otherwise read its prefix from them; only the frozen requests keep their
+    own old cache."""
     sampling = {
         "n": params.group_size,
         "max_tokens": params.max_new_tokens,
@@ -54,6 +65,8 @@ def generate_body(
         "logprobs": 0,
     }
     body: dict[str, Any] = {"token_ids": list(prompt), "sampling_params": sampling}
+    if version is not None:
+        body["cache_salt"] = f"weights-{version}"
     if model is not None:
         body["model"] = model
     return body
@@ -122,7 +135,7 @@ async def complete_versioned(
     resubmitted (``client.in_flight == "resubmit"``) or fail."""
     from megatron_gspo.rollout.vllm.client import VLLMRequestError
 
-    body = generate_body(prompt, params, seed, client.model)
+    body = generate_body(prompt, params, seed, client.model, client.weights_version())
     answer = await client._post(http, url, ROUTE, body)
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     if len(choices) != params.group_size:
@@ -152,7 +165,11 @@ async def complete_versioned(
                 min_new_tokens=max(0, params.min_new_tokens - len(c.token_ids)),
             )
             again = generate_body(
-                prompt + c.token_ids, rest, resubmit_seed(seed, j, part), client.model
+                prompt + c.token_ids,
+                rest,
+                resubmit_seed(seed, j, part),
+                client.model,
+                client.weights_version(),
             )
             more = await client._post(http, url, ROUTE, again)
             c = _join(c, _with_routes(client, url, more["choices"][0], rest))

@@ -6,7 +6,8 @@ Every sync walks the same routes whatever carries the bytes (:mod:`.routes`):
    nothing);
 1. ``/pause``: ``wait`` (the engine drains its requests first); with in-flight updates
    (:mod:`.in_flight`) ``keep`` (requests frozen, their KV cache kept) or ``abort`` (requests
-   end with the tokens they had, which the client resubmits after the sync), and ``/update_weight_version partial``: from here until step 4 a server reports ``partial``
+   end with the tokens they had, which the client resubmits after the sync); and
+   ``/update_weight_version partial``: from here until step 4 a server reports ``partial``
    and the engine refuses to sample from it, so a sync that fails half-way leaves the servers
    refusing generation until a complete one;
 2. ``/start_weight_update`` (vLLM's layerwise reload begins);
@@ -134,7 +135,9 @@ class WeightSync:
                 # Before anything changes: a server that refuses the manifest keeps serving.
                 self.transport.connect(s)
                 self.connected = True
-            s.pause(self.pause_mode)
+            # keep: clear_cache=false, or vLLM preempts the frozen requests and they recompute
+            # their prefix on the new weights (what resubmit does, not what keep promises).
+            s.pause(self.pause_mode, clear_cache=self.pause_mode != "keep")
             s.set_version(PARTIAL)
             t0 = time.perf_counter()
             _start(s)
