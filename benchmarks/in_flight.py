@@ -1,7 +1,8 @@
 """Draining before each weight sync against updating weights in flight, in one run.
 
-One CPU vLLM server on a tiny Qwen3-MoE; ``rollout.max_staleness: 1``; the project's rollout
-queue (episodes/pipeline.py) and vLLM client in both modes, on the same draws. Every step
+One CPU vLLM server on a tiny Qwen3-MoE; ``rollout.max_staleness: K`` (1 unless
+``--max-staleness``); the project's rollout queue (episodes/pipeline.py) and vLLM client in
+both modes, on the same draws. Every step
 trains for a fixed ``--train-s`` (a sleep: the trainer's cost is not what is measured) and then
 syncs: ``/pause`` (``wait`` when draining, ``keep`` in flight), the version label ``partial``,
 ``--sync-s`` of transfer (a sleep; benchmarks/weight_sync.py measures the real one), the new
@@ -11,15 +12,20 @@ drawn length), so a batch's tail is a few long samples.
 
 Printed per mode: samples/s over the steps after the first, the trainer's idle time (waiting
 for generation: the queue's ``waited()``), and the share of samples whose tokens span two
-versions. Also the best ratio these draws allow: a drained step costs at least the train step
-or its batch's longest sample, whichever is longer, and the sync; a step in flight at best
-pays its batch's mean sample instead of its longest (``d``, the seconds per decoded token of a
-sequence, measured first on this server):
-``sum(max(T, d * Lmax) + S) / sum(max(T, d * Lmean) + S)``.
+versions. Also the best ratio these draws allow. A drained step costs at least the train step
+or its batch's longest sample, whichever is longer, and then the sync. In flight the sync no
+longer waits, but a batch is still trained whole, and its oldest token may be at most ``K``
+versions behind: batch ``s`` starts at the sync to version ``s - 1 - K`` and must be finished
+when step ``s`` takes it, so it has ``K`` steps for its longest sample; the engine must also
+decode every token (at the batch's concurrency, about its mean sample per step). With ``d``
+the seconds per decoded token of a sequence, measured first on this server:
+``sum(max(T, d * Lmax) + S) / sum(max(T + S, d * Lmax / K, d * Lmean))``. With ``K = 1`` only
+the sync is hidden; the straggler still sets the pace (docs/async.md).
 
 The last line: ``in_flight: drain <X> samples/s, in-flight <Y> samples/s, ratio <Y/X>``.
 
     python benchmarks/in_flight.py [--steps 10] [--batch 16] [--median 40] [--sigma 1.0]
+                                  [--max-staleness 1]
 
 Needs vllm (``.ci/vllm-setup.sh``).
 """
@@ -112,7 +118,11 @@ def run_mode(url: str, key: str, mode: str | None, lengths, args) -> dict[str, f
     bench = Bench(url, key, mode, lengths, args)
     bench.sync(0)
     queue = RolloutPipeline(
-        bench.rollout, lambda step: [], max_staleness=1, next_step=1, in_flight=mode is not None
+        bench.rollout,
+        lambda step: [],
+        max_staleness=args.max_staleness,
+        next_step=1,
+        in_flight=mode is not None,
     )
     queue.resume(version=0)
     idle = spanning = samples = 0.0
@@ -166,6 +176,7 @@ def main() -> None:
     ap.add_argument("--train-s", type=float, default=1.0)
     ap.add_argument("--sync-s", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-staleness", type=int, default=1)
     args = ap.parse_args()
 
     from megatron_gspo.rollout.vllm.local_server import (
@@ -180,7 +191,8 @@ def main() -> None:
     flat = [n for step in lengths[1 : args.steps + 1] for n in step]
     print(
         f"lengths: median {statistics.median(flat):.0f}, mean {statistics.mean(flat):.0f}, "
-        f"max {max(flat)} tokens; {args.batch} samples a step, {args.steps} steps"
+        f"max {max(flat)} tokens; {args.batch} samples a step, {args.steps} steps, "
+        f"max_staleness {args.max_staleness}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_served_model(Path(tmp) / "model", cfg)
@@ -189,10 +201,10 @@ def main() -> None:
             d = decode_seconds_per_token(url, key, args)
             results = {name: run_mode(url, key, mode, lengths, args)
                        for name, mode in (("drain", None), ("in-flight", "keep"))}  # fmt: skip
-    t, s = args.train_s, args.sync_s
+    t, s, k = args.train_s, args.sync_s, args.max_staleness
     steps = lengths[2 : args.steps + 1]  # the batches trained after the first
     best = sum(max(t, d * max(b)) + s for b in steps) / sum(
-        max(t, d * statistics.mean(b)) + s for b in steps
+        max(t + s, d * max(b) / k, d * statistics.mean(b)) for b in steps
     )
     for name, r in results.items():
         print(

@@ -134,6 +134,8 @@ def _setup_logging() -> None:
     # Megatron logs every parameter name and its full configs at INFO.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    # httpx logs every request at INFO: thousands a step against vLLM servers.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @main.command()

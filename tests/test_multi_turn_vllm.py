@@ -191,9 +191,11 @@ def test_sigterm_during_an_in_flight_sync_exits_75_and_resumes_the_batch_it_span
     path.write_text(yaml.safe_dump(_recipe(run, run={"checkpoint_every": 100}, **IN_FLIGHT)))
     env = {**os.environ, "MEGATRON_GSPO_VLLM_URLS": url, "MEGATRON_GSPO_VLLM_KEY": key}
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(path)]
+    # Its output goes to a file: a pipe nobody reads while polling would fill and stop it.
+    log = (tmp_path / "train.log").open("w")
     proc = subprocess.Popen(
-        [*cmd, "--steps", "50"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        [*cmd, "--steps", "50"], env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
     )  # fmt: skip
     servers = Servers(VLLMClient([url], api_key=key), timeout_s=30)
     deadline = time.monotonic() + 600
@@ -206,11 +208,12 @@ def test_sigterm_during_an_in_flight_sync_exits_75_and_resumes_the_batch_it_span
             assert proc.poll() is None and time.monotonic() < deadline, "no sync after a step"
             time.sleep(0.002)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=600)
+        proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 75, out[-4000:]
+        log.close()
+    assert proc.returncode == 75, (tmp_path / "train.log").read_text()[-4000:]
     step = int((run / "checkpoints" / "latest").read_text())
     assert step == seen + 1, f"the sync under way was to version {seen + 1}, saved at {step}"
     assert servers.versions() == {url: step} and servers.is_paused() == {url: False}
