@@ -314,3 +314,41 @@ def test_generation_waits_for_a_sync_under_way_until_its_deadline():
     engine._failed_sync = 7
     with pytest.raises(VLLMRequestError, match="version 7 failed"):
         engine.wait_for_weights()
+
+
+class _RecordingServers:
+    """The routes a sync walks, recorded in order (no server)."""
+
+    urls = ["http://server"]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, route):
+        return lambda *args, **kwargs: self.calls.append((route, args, kwargs))
+
+
+class _NoBytes:
+    def connect(self, servers):
+        pass
+
+    def send(self, servers, tensors, version):
+        from megatron_gspo.rollout.vllm.sync import SyncReport
+
+        return SyncReport(version)
+
+
+@pytest.mark.parametrize("mode", [None, "keep", "resubmit"])
+def test_a_first_sync_clears_the_prefix_cache_and_keep_keeps_it_after(mode):
+    """A keep sync leaves the cache (the frozen requests go on over it), but an engine's first
+    sync clears it: a server that outlives a run holds that run's blocks under the salts the
+    next run reuses (``weights-0``, ...), computed by other weights."""
+    from megatron_gspo.rollout.vllm.sync import WeightSync
+
+    servers = _RecordingServers()
+    sync = WeightSync(servers, _NoBytes(), in_flight=mode)
+    for version in range(3):
+        sync.push(iter(()), version)
+    pauses = [(args[0], kwargs["clear_cache"]) for r, args, kwargs in servers.calls if r == "pause"]
+    paused = WeightSync.PAUSE_MODES[mode]
+    assert pauses == [(paused, True), (paused, mode != "keep"), (paused, mode != "keep")]

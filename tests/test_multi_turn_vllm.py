@@ -160,9 +160,12 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, in_flight):
     assert records[-1]["episodes_in_flight_max"] > 1
     assert last > first + 0.15, f"no learning: reward {first:.3f} -> {last:.3f}"
     if in_flight:
+        # Whether a sync lands under an episode is timing: where generation outruns the
+        # training step (CI saw it on every step of a run) the next batch is done before the
+        # sync and nothing spans. test_in_flight_vllm.py proves keep's spanning; here the run
+        # must learn and stay within one version of the policy.
         spanning = [r.get("episodes_spanning_versions", 0.0) for r in records]
         print(f"episodes spanning two versions: up to {max(spanning):.0%} of a step's")
-        assert max(spanning) > 0, "no episode's tokens came from two versions"
         assert all(r.get("staleness_max", 0) <= 1 for r in records)
     # vLLM's own record of the weights it holds: the trainer's version after the last step.
     from megatron_gspo.rollout.vllm.routes import Servers
@@ -191,13 +194,16 @@ def test_sigterm_during_an_in_flight_sync_exits_75_and_resumes_the_batch_it_span
     path.write_text(yaml.safe_dump(_recipe(run, run={"checkpoint_every": 100}, **IN_FLIGHT)))
     env = {**os.environ, "MEGATRON_GSPO_VLLM_URLS": url, "MEGATRON_GSPO_VLLM_KEY": key}
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(path)]
+    servers = Servers(VLLMClient([url], api_key=key), timeout_s=30)
+    # The module's server holds the version an earlier test's run left (60 after the learning
+    # test): a label no run writes, so that only this run's syncs count below.
+    servers.set_version("before-sigterm-test")
     # Its output goes to a file: a pipe nobody reads while polling would fill and stop it.
     log = (tmp_path / "train.log").open("w")
     proc = subprocess.Popen(
         [*cmd, "--steps", "50"], env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
-    servers = Servers(VLLMClient([url], api_key=key), timeout_s=30)
     deadline = time.monotonic() + 600
     seen = None
     try:

@@ -131,13 +131,17 @@ class WeightSync:
         s = self.servers
         start = time.perf_counter()
         try:
-            if not self.connected:
+            first = not self.connected
+            if first:
                 # Before anything changes: a server that refuses the manifest keeps serving.
                 self.transport.connect(s)
                 self.connected = True
             # keep: clear_cache=false, or vLLM preempts the frozen requests and they recompute
             # their prefix on the new weights (what resubmit does, not what keep promises).
-            s.pause(self.pause_mode, clear_cache=self.pause_mode != "keep")
+            # Except at a first sync (or the one after a failure): a long-lived server's cache
+            # holds another run's blocks under the same version salts ("weights-0"), and
+            # nothing of this run is in flight yet.
+            s.pause(self.pause_mode, clear_cache=self.pause_mode != "keep" or first)
             s.set_version(PARTIAL)
             t0 = time.perf_counter()
             _start(s)
