@@ -1,17 +1,25 @@
-"""The multi-turn part of the reproduction study: GSPO, GSPO-token with turn-level credit and
-GRPO on the tiny multi-turn task; writes its section of ``docs/study.md`` and its plot.
+"""The multi-turn part of the reproduction study: what turn-level credit buys, on two tiny
+multi-turn tasks, every method with the same seeds, compared with GSPO seed by seed; writes its
+section of ``docs/study.md`` and one plot per task.
 
-``recipes/tiny-multi-turn.yaml`` (the tiny MoE from scratch, 3 turns of ``relay_digits``, the
-later digits revealed only by the environment), every method with the same seeds, each run a
-``megatron-gspo train`` of its own (two at a time, one thread each, resumable: finished runs
-are skipped). Methods: GSPO (one advantage per episode), GSPO-token with
-``loss.advantage_level: turn`` (GSPO's sequence ratio and clip, each turn's tokens weighted by
-its group-normalised return-to-go) and GRPO with the same turn-level credit (token ratios and
-clip 0.2/0.27). The section's verdicts are computed from the runs.
+Tasks: ``relay_digits`` (``recipes/tiny-multi-turn.yaml``: copy a digit string in each of 3
+turns, the later strings revealed only by the environment) and ``recall_key``
+(``recipes/tiny-recall-key.yaml``: turn 1 names one of two keys, rewarded only in turn 3, which
+asks for the value of the key the cue chose). Methods: GSPO (one advantage per episode),
+GSPO-token with ``loss.advantage_level: turn`` (GSPO's sequence ratio and clip, each turn's
+tokens weighted by its group-normalised return-to-go) and GRPO with the same turn credit
+(token ratios, clip 0.2/0.27). Each run is a ``megatron-gspo train`` of its own, two at a time
+with one thread each, seed by seed (so a study stopped early holds whole seeds), resumable:
+finished runs are skipped.
+
+Per run: the final reward (mean of the last tenth of the steps), the area under the reward
+curve (mean reward over all steps) and the first step whose 10-step mean reaches the task's
+threshold (never: steps + 1). Per method against GSPO: the per-seed differences, their mean
+with a bootstrap 95% interval and a sign test (:mod:`benchmarks.paired`).
 
 The last line: ``study_multi_turn: <runs> runs, <minutes> min; docs/study.md``.
 
-    python benchmarks/study_multi_turn.py [--steps 150] [--seeds 0 1 2] [--jobs 2]
+    python benchmarks/study_multi_turn.py [--steps 100] [--seeds 0 ... 9] [--tasks ...]
     python benchmarks/study_multi_turn.py --report-only
 """
 
@@ -28,7 +36,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.study import DOCS, _metrics, _pm, _smooth, run_all  # noqa: E402
+from benchmarks.paired import Paired, bootstrap_interval, paired  # noqa: E402
+from benchmarks.study import DOCS, _metrics, _smooth, run_all  # noqa: E402
 
 RUNS = ROOT / "runs" / "study" / "multi_turn"
 METHODS = {
@@ -43,18 +52,45 @@ LABELS = {
     "gspo_token_turn": "GSPO-token, turn credit",
     "grpo_turn": "GRPO, turn credit",
 }
+TASKS = {
+    "relay_digits": {
+        "recipe": "tiny-multi-turn.yaml",
+        "plot": "study_multi_turn.png",
+        "threshold": 0.75,
+        "what": (
+            "copy a 1-3 digit string in each of 3 turns; the strings after the first are "
+            "revealed only by the environment's turn, each turn rewarded by `digit_match` "
+            "(reward up to 3)"
+        ),
+    },
+    "recall_key": {
+        "recipe": "tiny-recall-key.yaml",
+        "plot": "study_recall_key.png",
+        "threshold": 1.25,
+        "what": (
+            "turn 1 names one of two keys (reward 0), turn 2 copies the value shown for the "
+            "named key, turn 3 must give the value of the key the cue asked for, which only an "
+            "episode that named it has seen (`digit_match` in turns 2 and 3: reward up to 2)"
+        ),
+    },
+}
+FIGURES = {
+    "final": ("final reward", True),
+    "area": ("area under the reward curve", True),
+    "reach": ("first step at the threshold", False),
+}
 BEGIN, END = "<!-- multi-turn study -->", "<!-- /multi-turn study -->"
 
 
-def recipe(method: str, seed: int, steps: int) -> dict:
-    data = yaml.safe_load((ROOT / "recipes" / "tiny-multi-turn.yaml").read_text())
+def recipe(task: str, method: str, seed: int, steps: int) -> dict:
+    data = yaml.safe_load((ROOT / "recipes" / TASKS[task]["recipe"]).read_text())
     data["rollout"]["seed"] = seed
     data["parallel"]["seed"] = 1234 + seed
     for section, values in METHODS[method].items():
         data.setdefault(section, {}).update(values)
     data["run"].update(
         steps=steps,
-        output_dir=str(RUNS / method / f"seed{seed}"),
+        output_dir=str(RUNS / task / method / f"seed{seed}"),
         checkpoint_every=25,
         keep_checkpoints=1,
         plot_every=0,
@@ -63,27 +99,37 @@ def recipe(method: str, seed: int, steps: int) -> dict:
     return data
 
 
-def _final(records: list[dict], key: str) -> float:
-    tail = records[-max(1, len(records) // 10) :]
-    values = [r[key] for r in tail if r.get(key) is not None]
-    return statistics.mean(values) if values else float("nan")
+def figures(records: list[dict], steps: int, threshold: float) -> dict[str, float]:
+    """One run's figures over its first ``steps`` steps."""
+    rewards = [r["reward_mean"] for r in records[:steps]]
+    tail = rewards[-max(1, steps // 10) :]
+    reach = next((i + 1 for i, x in enumerate(_smooth(rewards)) if x >= threshold), steps + 1)
+    return {"final": statistics.fmean(tail), "area": statistics.fmean(rewards), "reach": reach}
 
 
-def _first_reaching(records: list[dict], level: float) -> int | None:
-    smooth = _smooth([r["reward_mean"] for r in records])
-    return next((i + 1 for i, x in enumerate(smooth) if x >= level), None)
+def _band(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Per step: the mean over seeds and its bootstrap 95% interval."""
+    n = min(len(c) for c in curves)
+    mean, lo, hi = [], [], []
+    for i in range(n):
+        column = [c[i] for c in curves]
+        mean.append(statistics.fmean(column))
+        a, b = bootstrap_interval(column, resamples=1000)
+        lo.append(a)
+        hi.append(b)
+    return mean, lo, hi
 
 
-def plot(runs: dict[str, list[list[dict]]]) -> Path:
+def plot(task: str, runs: dict[str, list[list[dict]]]) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [
-        ("reward_mean", "reward (sum of 3 turns)"),
+        ("reward_mean", "reward (episode)"),
+        ("turn_reward_mean/turn_2", "turn 2 reward"),
         ("turn_reward_mean/turn_3", "turn 3 reward"),
-        ("turns_mean", "model turns per episode"),
         ("clip_fraction_tok", "clipped tokens"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(20, 4.2), constrained_layout=True)
@@ -92,97 +138,108 @@ def plot(runs: dict[str, list[list[dict]]]) -> Path:
             curves = [_smooth([r.get(key) or 0.0 for r in rec], 5) for rec in seeds if rec]
             if not curves:
                 continue
-            n = min(len(c) for c in curves)
-            x = list(range(1, n + 1))
-            (line,) = ax.plot(x, [statistics.mean(c[i] for c in curves) for i in range(n)])
-            line.set_label(LABELS[method])
-            lo = [min(c[i] for c in curves) for i in range(n)]
-            hi = [max(c[i] for c in curves) for i in range(n)]
+            mean, lo, hi = _band(curves)
+            x = list(range(1, len(mean) + 1))
+            (line,) = ax.plot(x, mean)
+            line.set_label(f"{LABELS[method]} ({len(curves)} seeds)")
             ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
-    fig.suptitle("tiny multi-turn task: mean over seeds (line) and range (band), 5-step smoothing")
-    out = DOCS / "study_multi_turn.png"
+    fig.suptitle(
+        f"{task}: mean over seeds (line) and its bootstrap 95% interval (band), 5-step smoothing"
+    )
+    out = DOCS / TASKS[task]["plot"]
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
 
 
+def _interval(p: Paired, fmt: str) -> str:
+    return f"{p.mean:{fmt}} [{p.low:{fmt}}, {p.high:{fmt}}]"
+
+
+def task_section(task: str, args) -> tuple[list[str], dict[str, dict[str, Paired]]]:
+    spec = TASKS[task]
+    runs = {m: [_metrics(RUNS / task / m / f"seed{s}") for s in args.seeds] for m in METHODS}
+    # Only seeds every method finished are compared: the pairs must share their seed.
+    seeds = [
+        s for i, s in enumerate(args.seeds) if all(len(runs[m][i]) >= args.steps for m in METHODS)
+    ]
+    done = {m: [runs[m][args.seeds.index(s)] for s in seeds] for m in METHODS}
+    png = plot(task, done)
+    lines = [
+        f"### {task}",
+        "",
+        f"`recipes/{spec['recipe']}`: the tiny MoE from scratch; {spec['what']}. {args.steps} "
+        f"steps; seeds {seeds} finished for every method ({len(seeds)} pairs); threshold "
+        f"{spec['threshold']:g}.",
+        "",
+        f"![{task}]({png.name})",
+        "",
+    ]
+    if not seeds:
+        return [*lines, "No seed has finished for every method yet.", ""], {}
+    figs = {m: [figures(r, args.steps, spec["threshold"]) for r in done[m]] for m in METHODS}
+    lines += [
+        "| method | final reward | area | first step at threshold (never = "
+        f"{args.steps + 1}) | turn 3 reward |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in METHODS:
+        col = {k: [f[k] for f in figs[m]] for k in FIGURES}
+        turn3 = [
+            statistics.fmean(r.get("turn_reward_mean/turn_3") or 0.0 for r in rec[-10:])
+            for rec in done[m]
+        ]
+        lines.append(
+            f"| {LABELS[m]} | {statistics.fmean(col['final']):.3f} | "
+            f"{statistics.fmean(col['area']):.3f} | {statistics.fmean(col['reach']):.1f} | "
+            f"{statistics.fmean(turn3):.3f} |"
+        )
+    lines += [
+        "",
+        "Paired against GSPO (method minus GSPO, seed by seed): mean difference [bootstrap 95% "
+        "interval], seeds ahead-behind, two-sided sign test p.",
+        "",
+        "| method | figure | difference | ahead-behind | sign p | verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    comparisons: dict[str, dict[str, Paired]] = {}
+    for m in METHODS:
+        if m == "gspo":
+            continue
+        comparisons[m] = {}
+        for k, (name, higher) in FIGURES.items():
+            p = paired([f[k] for f in figs[m]], [f[k] for f in figs["gspo"]])
+            comparisons[m][k] = p
+            ahead, behind = (p.wins, p.losses) if higher else (p.losses, p.wins)
+            fmt = ".1f" if k == "reach" else ".3f"
+            lines.append(
+                f"| {LABELS[m]} | {name} | {_interval(p, fmt)} | {ahead}-{behind} | "
+                f"{p.p_sign:.3f} | {p.verdict(higher)} |"
+            )
+    return [*lines, ""], comparisons
+
+
 def section(args) -> list[str]:
-    runs = {m: [_metrics(RUNS / m / f"seed{s}") for s in args.seeds] for m in METHODS}
-    done = {m: [r for r in seeds if len(r) >= args.steps] for m, seeds in runs.items()}
-    png = plot(runs)
     lines = [
         BEGIN,
-        "## Multi-turn: turn-level credit",
+        "## Multi-turn: what turn-level credit buys",
         "",
         "Written by `python benchmarks/study_multi_turn.py` from the runs under",
-        "`runs/study/multi_turn/` (this machine, 2 CPU cores).",
+        "`runs/study/multi_turn/` (this machine, 2 CPU cores). Methods: GSPO (one advantage",
+        "per episode), GSPO-token with `advantage_level: turn` (each turn weighted by its",
+        "group-normalised return-to-go), GRPO with the same turn credit (token-level clip",
+        "0.2/0.27); every method with the same seeds, compared with GSPO seed by seed. A",
+        "difference is shown only where its 95% interval leaves 0 out; the sign test asks the",
+        "same of the seeds' directions alone.",
         "",
-        "- Task: `recipes/tiny-multi-turn.yaml`: the tiny MoE from scratch copies a 1-3 digit",
-        "  string in each of 3 turns; the strings after the first are revealed only by the",
-        "  environment's turn (`relay_digits`), each turn rewarded by `digit_match` (reward up",
-        "  to 3). A turn cut at 4 tokens goes on to the next observation",
-        "  (`end_on_cut_turn: false`).",
-        f"- {args.steps} steps, seeds {args.seeds}, the recipe's settings otherwise; methods:",
-        "  GSPO (one advantage per episode), GSPO-token with `advantage_level: turn` (each turn",
-        "  weighted by its group-normalised return-to-go), GRPO with the same turn credit",
-        "  (token-level clip 0.2/0.27).",
-        "",
-        f"![multi-turn]({png.name})",
-        "",
-        "| method | final reward, mean (min-max) | turn 3 reward | turns per episode | "
-        "first step at reward 1.0 | clipped tokens | clipped sequences |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    final: dict[str, float] = {}
-    for m, seeds in done.items():
-        if not seeds:
-            continue
-        rewards = [_final(r, "reward_mean") for r in seeds]
-        final[m] = statistics.mean(rewards)
-        reach = [_first_reaching(r, 1.0) for r in seeds]
-        lines.append(
-            f"| {LABELS[m]} | {_pm(rewards)} | "
-            f"{statistics.mean(_final(r, 'turn_reward_mean/turn_3') for r in seeds):.3f} | "
-            f"{statistics.mean(_final(r, 'turns_mean') for r in seeds):.2f} | "
-            f"{', '.join(str(x) if x else 'never' for x in reach)} | "
-            f"{statistics.mean(_final(r, 'clip_fraction_tok') for r in seeds):.2e} | "
-            f"{statistics.mean(_final(r, 'clip_fraction_seq') for r in seeds):.2e} |"
-        )
-    lines.append("")
-    if "gspo" in final and "gspo_token_turn" in final:
-        a, b = final["gspo_token_turn"], final["gspo"]
-        ours = [_final(r, "reward_mean") for r in done["gspo_token_turn"]]
-        theirs = [_final(r, "reward_mean") for r in done["gspo"]]
-        wins = sum(x > y for x, y in zip(ours, theirs, strict=False))
-        verdict = (
-            "turn-level credit ends higher"
-            if a > b + 0.05
-            else "turn-level credit ends lower"
-            if a < b - 0.05
-            else "the two end within 0.05 of each other"
-        )
-        settled = (
-            "the seeds' ranges do not overlap"
-            if min(ours) > max(theirs) or max(ours) < min(theirs)
-            else "the seeds' ranges overlap, so these few seeds do not settle it"
-        )
-        clip_a = statistics.mean(_final(r, "clip_fraction_seq") for r in done["gspo_token_turn"])
-        clip_b = statistics.mean(_final(r, "clip_fraction_seq") for r in done["gspo"])
-        lines += [
-            f"Verdict, from these runs: GSPO-token with turn credit {a:.3f} against GSPO "
-            f"{b:.3f} (final reward, mean over seeds): {verdict} on the mean, higher on "
-            f"{wins} of {min(len(ours), len(theirs))} seeds compared seed by seed; {settled}. "
-            f"It clips {clip_a:.3f} of sequences against GSPO's {clip_b:.3f}. The two differ in "
-            "what the "
-            "first turns are credited with: under GSPO every token of an episode carries the "
-            "whole episode's advantage, under turn credit a turn's tokens carry what followed "
-            "it only, measured against the same turn of the group's other episodes.",
-            "",
-        ]
+    for task in args.tasks:
+        body, _ = task_section(task, args)
+        lines += body
     lines.append(END)
     return lines
 
@@ -201,12 +258,14 @@ def report(args) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
-    runs = [recipe(m, s, args.steps) for m in METHODS for s in args.seeds]
+    # Seed by seed: a study stopped early holds whole seeds of every task and method.
+    runs = [recipe(t, m, s, args.steps) for s in args.seeds for t in args.tasks for m in METHODS]
     start = time.time()
     if not args.report_only:
         run_all(runs, args.jobs)

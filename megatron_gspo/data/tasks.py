@@ -7,7 +7,9 @@ tokenizer. Prompts read ``<digits>=`` and the answer is a string of digits; the 
 ``relay_digits`` is the multi-turn one (environment ``relay_digits``,
 :mod:`megatron_gspo.episodes.environment`): its answer holds ``turns`` digit strings,
 ``"12|4|907"``; the prompt shows the first, and each later one is revealed by the environment's
-turn after the model copied the one before.
+turn after the model copied the one before. ``recall_key`` (environment ``recall_key``,
+:mod:`megatron_gspo.episodes.recall`) always has 3 turns: its answer ``"7|42|905"`` holds a cue
+and two keys' values, its prompt the cue (``"7="``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ TASKS: dict[str, Callable[[str], str]] = {
 }
 
 
-MULTI_TURN_TASKS = ("relay_digits",)
+MULTI_TURN_TASKS = ("relay_digits", "recall_key")
+# Multi-turn tasks whose number of turns is the task's, not an option.
+FIXED_TURNS = {"recall_key": 3}
 
 
 class SyntheticTask:
@@ -47,6 +51,12 @@ class SyntheticTask:
             raise InputError(
                 f"data.task_options: need 1 <= min_len <= max_len, got {min_len}, {max_len}"
             )
+        if name in FIXED_TURNS:
+            if turns not in (None, FIXED_TURNS[name]):
+                raise InputError(
+                    f"data.task_options: {name} always has {FIXED_TURNS[name]} turns, got {turns}"
+                )
+            turns = FIXED_TURNS[name]
         if (turns is not None) != (name in MULTI_TURN_TASKS) or (turns is not None and turns < 1):
             raise InputError(
                 f"data.task_options: turns (>= 1) is for {list(MULTI_TURN_TASKS)} only"
@@ -57,6 +67,10 @@ class SyntheticTask:
     def example(self, index: int, seed: int) -> dict[str, str]:
         """The ``index``-th example of the stream for ``seed``: a pure function of both."""
         rng = random.Random(example_seed(self.name, seed, index))
+        if self.name == "recall_key":
+            cue = str(rng.randint(0, 9))
+            values = [_digits(rng, self.min_len, self.max_len) for _ in range(2)]
+            return {"prompt": f"{cue}=", "answer": "|".join([cue, *values])}
         if self.turns is not None:
             parts = [_digits(rng, self.min_len, self.max_len) for _ in range(self.turns)]
             return {"prompt": f"{parts[0]}=", "answer": "|".join(parts)}

@@ -18,7 +18,8 @@ hangs or returns something malformed ends its episode (counted in ``env_errors``
 ``env_timeouts``), never the run.
 
 Chosen by name (``rollout.multi_turn.env``): a built-in (:data:`ENVIRONMENTS`: ``relay_digits``,
-the tiny multi-turn task; ``tools``, tool calling) or ``package.module:attr`` for a class (or
+the tiny multi-turn task; ``recall_key``, the one whose first turn is rewarded two turns later;
+``tools``, tool calling) or ``package.module:attr`` for a class (or
 factory) of the user's.
 """
 
@@ -62,6 +63,7 @@ class Environment(Protocol):
 # Built-ins, imported when a recipe names them.
 ENVIRONMENTS: dict[str, str] = {
     "relay_digits": "megatron_gspo.episodes.relay:RelayDigits",
+    "recall_key": "megatron_gspo.episodes.recall:RecallKey",
     "tools": "megatron_gspo.episodes.tool_env:ToolCalling",
 }
 

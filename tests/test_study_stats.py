@@ -1,0 +1,48 @@
+"""The statistics the studies report: the paired bootstrap interval and the sign test, against
+closed forms and known cases."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from benchmarks.paired import bootstrap_interval, paired, sign_test
+
+
+def test_the_sign_test_matches_the_binomial_tails():
+    assert sign_test([1.0] * 10) == pytest.approx(2 / 2**10)
+    # 8 of 10: 2 * P(X >= 8) = 2 * (45 + 10 + 1) / 1024.
+    assert sign_test([1.0] * 8 + [-1.0] * 2) == pytest.approx(2 * 56 / 1024)
+    assert sign_test([-1.0] * 8 + [1.0] * 2) == sign_test([1.0] * 8 + [-1.0] * 2)
+    assert sign_test([1.0] * 5 + [-1.0] * 5) == 1.0
+    assert sign_test([0.0, 0.0, 2.0]) == 1.0  # ties left out: one win of one
+    assert sign_test([]) == 1.0
+
+
+def test_the_bootstrap_interval_brackets_the_mean_and_narrows_with_more_seeds():
+    assert bootstrap_interval([0.3] * 10) == (0.3, 0.3)
+    rng = random.Random(1)
+    few = [rng.gauss(1.0, 1.0) for _ in range(10)]
+    many = [rng.gauss(1.0, 1.0) for _ in range(200)]
+    lo, hi = bootstrap_interval(few)
+    assert lo < statistics.fmean(few) < hi
+    lo2, hi2 = bootstrap_interval(many)
+    assert lo2 < 1.0 < hi2 and hi2 - lo2 < hi - lo
+    # About 2 * 1.96 * sigma / sqrt(n) wide for normal data.
+    assert hi2 - lo2 == pytest.approx(2 * 1.96 / 200**0.5, rel=0.25)
+    assert bootstrap_interval(few) == bootstrap_interval(few)  # seeded
+
+
+def test_a_paired_comparison_says_no_difference_where_the_interval_covers_zero():
+    base = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    # A constant shift, hidden unpaired by the seeds' spread, is shown paired.
+    better = paired([b + 0.1 for b in base], base)
+    assert better.mean == pytest.approx(0.1) and better.wins == 10 and better.shown
+    assert better.verdict() == "better" and better.verdict(higher_is_better=False) == "worse"
+    mixed = paired([b + d for b, d in zip(base, [0.1, -0.1] * 5, strict=True)], base)
+    assert mixed.low < 0 < mixed.high and mixed.verdict() == "no difference shown"
+    assert mixed.p_sign == 1.0
+    with pytest.raises(ValueError, match="same seeds"):
+        paired([1.0], [1.0, 2.0])
