@@ -69,9 +69,10 @@ TASKS = {
         "plot": "study_recall_key.png",
         "top": 2.0,
         "what": (
-            "turn 1 names one of two keys (reward 0), turn 2 copies the value shown for the "
-            "named key, turn 3 must give the value of the key the cue asked for, which only an "
-            "episode that named it has seen (`digit_match` in turns 2 and 3: reward up to 2)"
+            "two keys hold a digit each; turn 1 names one (reward 0), turn 2 copies the value "
+            "shown for the named key, turn 3 must give the value of the key the cue asked for, "
+            "which only an episode that named it has seen (`digit_match` in turns 2 and 3: "
+            "reward up to 2)"
         ),
     },
 }
@@ -188,7 +189,7 @@ def task_section(task: str, args) -> tuple[list[str], dict[str, dict[str, Paired
         "",
     ]
     if not seeds:
-        return [*lines, "No seed has finished for every method yet.", ""], {}
+        return [*lines, "No seed has finished for every method yet."], {}
     figs = {m: [figures(r, args.steps, threshold(task)) for r in done[m]] for m in METHODS}
     lines += [
         "| method | final reward | area | first step at threshold (never = "
@@ -228,10 +229,26 @@ def task_section(task: str, args) -> tuple[list[str], dict[str, dict[str, Paired
                 f"| {LABELS[m]} | {name} | {_interval(p, fmt)} | {ahead}-{behind} | "
                 f"{p.p_sign:.3f} | {p.verdict(higher)} |"
             )
-    return [*lines, ""], comparisons
+    return lines, comparisons
 
 
-def section(args) -> list[str]:
+def _marks(task: str) -> tuple[str, str]:
+    return f"<!-- multi-turn study: {task} -->", f"<!-- /multi-turn study: {task} -->"
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """The task sections already in ``text``, each between its own marks."""
+    blocks = {}
+    for task in TASKS:
+        begin, end = _marks(task)
+        if begin in text and end in text:
+            blocks[task] = text[text.index(begin) : text.index(end) + len(end)]
+    return blocks
+
+
+def section(args, kept: dict[str, str]) -> list[str]:
+    """The whole section: ``args.tasks`` from their runs, the other tasks as ``kept`` them
+    (a study of one task leaves the other's figures as they were)."""
     lines = [
         BEGIN,
         "## Multi-turn: what turn-level credit buys",
@@ -245,9 +262,13 @@ def section(args) -> list[str]:
         "same of the seeds' directions alone.",
         "",
     ]
-    for task in args.tasks:
-        body, _ = task_section(task, args)
-        lines += body
+    for task in TASKS:
+        if task in args.tasks:
+            body, _ = task_section(task, args)
+            begin, end = _marks(task)
+            lines += [begin, *body, end, ""]
+        elif task in kept:
+            lines += [kept[task], ""]
     lines.append(END)
     return lines
 
@@ -255,7 +276,7 @@ def section(args) -> list[str]:
 def report(args) -> Path:
     out = DOCS / "study.md"
     text = out.read_text() if out.is_file() else ""
-    new = "\n".join(section(args))
+    new = "\n".join(section(args, _blocks(text)))
     if BEGIN in text:
         text = text[: text.index(BEGIN)] + new + text[text.index(END) + len(END) :]
     else:
