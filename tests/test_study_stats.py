@@ -46,3 +46,21 @@ def test_a_paired_comparison_says_no_difference_where_the_interval_covers_zero()
     assert mixed.p_sign == 1.0
     with pytest.raises(ValueError, match="same seeds"):
         paired([1.0], [1.0, 2.0])
+
+
+def test_a_study_of_one_task_keeps_the_other_tasks_figures(monkeypatch):
+    import argparse
+
+    from benchmarks import study_multi_turn as study
+
+    # No runs on disk and no plot: only the section's assembly is under test.
+    monkeypatch.setattr(study, "plot", lambda task, runs: study.DOCS / "unused.png")
+    monkeypatch.setattr(study, "_metrics", lambda path: [])
+    begin, end = study._marks("relay_digits")
+    relay = f"{begin}\n### relay_digits\n\n| figures | from an earlier study |\n{end}"
+    args = argparse.Namespace(tasks=["recall_key"], seeds=[0, 1], steps=150)
+    text = "\n".join(study.section(args, {"relay_digits": relay}))
+    blocks = study._blocks(text)
+    assert blocks["relay_digits"] == relay
+    assert "No seed has finished" in blocks["recall_key"]
+    assert text.index(relay) < text.index("### recall_key") < text.index(study.END)
