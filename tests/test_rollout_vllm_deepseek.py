@@ -52,7 +52,9 @@ def deepseek_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def deepseek_server(deepseek_dir, tmp_path_factory, request):
-    srv = start_server(deepseek_dir, tmp_path_factory.mktemp("vllm-ds") / "server.log", request)
+    srv = start_server(
+        deepseek_dir, tmp_path_factory.mktemp("vllm-ds") / "server.log", request, mla=True
+    )
     yield srv
     stop_server(srv, request)
 
@@ -98,7 +100,9 @@ def test_after_each_sync_the_deepseek_server_computes_what_the_trainer_does(
 def unfixed_server(deepseek_dir, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("vllm-ds-unfixed") / "server.log"
     # The project's plugin leaves vLLM's CPU rotary kernel alone.
-    srv = start_server(deepseek_dir, log, request, env={"MEGATRON_GSPO_CPU_ROPE_FIX": "0"})
+    srv = start_server(
+        deepseek_dir, log, request, env={"MEGATRON_GSPO_CPU_ROPE_FIX": "0"}, mla=True
+    )
     yield srv
     stop_server(srv, request)
 

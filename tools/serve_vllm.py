@@ -46,7 +46,9 @@ def main() -> int:
     if torch.cuda.is_available():
         extra += ["--max-model-len", str(recipe.model.max_seq_length)]
     else:
-        extra += cpu_serving_args(recipe.model.max_seq_length, max_num_seqs=256)
+        extra += cpu_serving_args(
+            recipe.model.max_seq_length, max_num_seqs=256, mla=recipe.model.mla is not None
+        )
     from megatron_gspo.rollout.vllm.server import server_backend, synced_dtype
 
     gpu = torch.cuda.is_available()

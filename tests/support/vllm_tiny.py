@@ -210,9 +210,11 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         weight_transfer: str = "gspo",
         extra_args: tuple[str, ...] = (),
+        mla: bool = False,
     ) -> None:
         """``env``: more of the server's environment; ``weight_transfer``: the backend of
-        vLLM's RL API the trainer syncs through; ``extra_args``: more of vLLM's options."""
+        vLLM's RL API the trainer syncs through; ``extra_args``: more of vLLM's options;
+        ``mla``: the model has multi-latent attention (``local_server.CPU_MLA_ARGS``)."""
         self.weight_transfer = weight_transfer
         from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
 
@@ -227,6 +229,10 @@ class VLLMServer:
         # A budget that never splits a prefill (see local_server.cpu_serving_args).
         extra += ["--max-num-seqs", "64", "--seed", "0"]
         extra += ["--max-num-batched-tokens", str(64 * max_model_len), *extra_args]
+        if mla:
+            from megatron_gspo.rollout.vllm.local_server import CPU_MLA_ARGS
+
+            extra += CPU_MLA_ARGS
         cmd = server_command(
             str(model_dir),
             host="127.0.0.1",

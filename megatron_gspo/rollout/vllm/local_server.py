@@ -45,17 +45,25 @@ def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path
     return directory
 
 
-def cpu_serving_args(max_model_len: int, max_num_seqs: int) -> list[str]:
+# On a CPU with AMX tiles vLLM serves multi-latent attention with its AMX backend, which packs
+# the weights for bf16, fp16 or int8 only and refuses fp32 at load ("expect weight to be
+# bfloat16..."); the reference CPU backend takes fp32. Without AMX that is vLLM's choice anyway.
+CPU_MLA_ARGS = ("--attention-backend", "CPU_MLA")
+
+
+def cpu_serving_args(max_model_len: int, max_num_seqs: int, *, mla: bool = False) -> list[str]:
     """vLLM arguments for a CPU server: fp32, eager, and a token budget per scheduler step that
     holds every sequence whole. vLLM 0.32 rewinds a seeded request's generator when a chunked
     prefill discards its sampled token, and a CPU generator has no offset to rewind ("CPU
     Generator does not use offset": the engine dies); with a budget of ``max_num_seqs x
-    max_model_len`` tokens no prefill is ever split."""
+    max_model_len`` tokens no prefill is ever split. ``mla``: the model has multi-latent
+    attention (:data:`CPU_MLA_ARGS`)."""
     return [
         "--dtype", "float32", "--enforce-eager",
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         "--max-num-batched-tokens", str(max_model_len * max_num_seqs),
+        *(CPU_MLA_ARGS if mla else ()),
     ]  # fmt: skip
 
 
