@@ -94,6 +94,12 @@ class InFlightUpdates(_Section):
     # cache the old ones computed. resubmit: they are aborted, and each is sent again as
     # prompt + tokens so far with the budget left, its prefix read by the new weights.
     mode: Literal["keep", "resubmit"]
+    # null: a step trains on one whole batch, sampled together. N >= rollout.prompts_per_step:
+    # N groups are generated at once and each step trains on the first prompts_per_step of
+    # them to finish (the stalest first); a group still running is carried to later steps
+    # while its oldest token is within max_staleness, and dropped (rollout_groups_dropped)
+    # beyond it. Short episodes finish first: see docs/async.md on the length bias.
+    groups_in_flight: int | None = None
 
 
 class RolloutConfig(_Section):
@@ -162,6 +168,12 @@ class RolloutConfig(_Section):
                 "rollout.in_flight_updates needs rollout.max_staleness >= 1 and rollout.engine: "
                 f"vllm (got max_staleness {self.max_staleness}, engine {self.engine!r}): the "
                 "embedded engine cannot change its weights under a request in flight"
+            )
+        groups = None if self.in_flight_updates is None else self.in_flight_updates.groups_in_flight
+        if groups is not None and groups < self.prompts_per_step:
+            raise ValueError(
+                "rollout.in_flight_updates.groups_in_flight must be >= rollout.prompts_per_step "
+                f"({self.prompts_per_step}): a step trains on that many groups; got {groups}"
             )
         if self.dynamic_sampling is not None and self.max_staleness:
             raise ValueError(

@@ -92,6 +92,7 @@ class OnPolicyRollouts:
     """``max_staleness: 0``: each batch is sampled, on every rank, right when it is needed."""
 
     dropped = 0
+    dropped_metric = "rollout_batches_dropped"
 
     def __init__(self, rollout: Rollout, draw: Callable[[int], list[Prompt]]) -> None:
         self.rollout, self.draw = rollout, draw
@@ -127,6 +128,8 @@ class RolloutPipeline:
     and ``rollout(step, prompts)`` (rank 0 alone, no collectives) runs the step's episodes in
     the thread. Episodes are the unit sampled ahead: a queued batch holds whole episodes.
     """
+
+    dropped_metric = "rollout_batches_dropped"
 
     def __init__(
         self,
@@ -231,6 +234,11 @@ class RolloutPipeline:
         """Queue saved batches again; the next prompts follow them."""
         if not self.rank0:
             return
+        if isinstance(batches, dict):
+            raise InputError(
+                "this checkpoint holds a pool of groups: resume with "
+                "rollout.in_flight_updates.groups_in_flight set"
+            )
         for data in batches:
             done: Future = Future()
             done.set_result(Batch.from_json(data))

@@ -22,13 +22,14 @@ from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.episodes.concurrent import ConcurrentRunner
 from megatron_gspo.episodes.environment import EnvironmentPool
 from megatron_gspo.episodes.episode import Episode
+from megatron_gspo.episodes.group_pool import GroupPool
 from megatron_gspo.episodes.pipeline import OnPolicyRollouts, RolloutPipeline
 from megatron_gspo.episodes.render import TurnRenderer
 from megatron_gspo.episodes.runner import EpisodeRunner, EpisodeSetup
 from megatron_gspo.rollout.protocol import SamplingParams
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
-from megatron_gspo.runtime.seeds import step_seed
+from megatron_gspo.runtime.seeds import request_seed, step_seed
 
 __all__ = ["EpisodeSampler"]
 
@@ -126,7 +127,7 @@ class EpisodeSampler:
         params = replace(self.params, seed=self.step_seed(step, salt))
         return runner.run(prompts, params), dict(runner.stats)
 
-    def rollouts(self, *, next_step: int) -> OnPolicyRollouts | RolloutPipeline:
+    def rollouts(self, *, next_step: int) -> OnPolicyRollouts | RolloutPipeline | GroupPool:
         """On-policy sampling (``max_staleness: 0``) or the asynchronous pipeline."""
 
         def draw(step: int) -> list[Prompt]:
@@ -136,21 +137,38 @@ class EpisodeSampler:
         if k == 0:
             return OnPolicyRollouts(self.rollout, draw)
         runner = self.runner(alone=True)
-        in_flight = self.recipe.rollout.in_flight_updates is not None
+        in_flight = self.recipe.rollout.in_flight_updates
 
         def ahead(step: int, prompts: list[Prompt]) -> Sampled:
             # In flight, batches run side by side: each its own runner (they keep counts).
-            own = self.runner(alone=True) if in_flight else runner
+            own = self.runner(alone=True) if in_flight is not None else runner
             episodes = own.run(prompts, replace(self.params, seed=self.step_seed(step)))
             return episodes, dict(own.stats)
 
+        groups = None if in_flight is None else in_flight.groups_in_flight
+        if groups is not None:
+            return GroupPool(
+                self._one_group if runner is not None else None,
+                draw,
+                per_step=self.recipe.rollout.prompts_per_step,
+                groups_in_flight=groups,
+                max_staleness=k,
+                next_step=next_step,
+            )
         return RolloutPipeline(
             ahead if runner is not None else None,
             draw,
             max_staleness=k,
             next_step=next_step,
-            in_flight=in_flight,
+            in_flight=in_flight is not None,
         )
+
+    def _one_group(self, step: int, index: int, prompt: Prompt) -> tuple[list[Episode], dict]:
+        """The group of prompt ``index`` of step ``step``'s draw, seeded as in a whole batch."""
+        runner = self.runner(alone=True)
+        seed = request_seed(self.step_seed(step), index, self.params.group_size)
+        [episodes] = runner.run([prompt], replace(self.params, seed=seed))
+        return episodes, dict(runner.stats)
 
     def close(self) -> None:
         if self.envs is not None:

@@ -128,7 +128,7 @@ def train(
             batch.stats,
             **staleness_metrics(samples, step - 1),
             train_groups_without_signal=groups_without_signal(samples),
-            rollout_batches_dropped=run.rollouts.dropped,
+            **{run.rollouts.dropped_metric: run.rollouts.dropped},
             prompts_skipped_overlong=run.stream.skipped,
             bad_records_skipped=run.stream.bad_records,
         )
