@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -54,7 +55,7 @@ def draw_lengths(args) -> list[list[int]]:
             max(1, min(args.max_tokens, round(rng.lognormvariate(0, args.sigma) * args.median)))
             for _ in range(args.batch)
         ]
-        for _ in range(args.steps + 2)
+        for _ in range(3 * args.steps + 4)  # the group pool draws ahead
     ]
 
 
@@ -76,6 +77,14 @@ class Bench:
 
     def rollout(self, step: int, prompts):
         """The step's samples, each its own request of its drawn length."""
+        return self._run(step, range(len(self.lengths[step]))), {}
+
+    def group(self, step: int, index: int, prompt):
+        """One sample (a group of one) of the step's draw, as the group pool asks for it."""
+        [group] = self._run(step, [index])
+        return group, {}
+
+    def _run(self, step: int, indices):
         from megatron_gspo.episodes.episode import Episode
         from megatron_gspo.rollout.protocol import SamplingParams
 
@@ -85,7 +94,8 @@ class Bench:
         async def run():
             async with self.client.session() as http:
                 jobs = []
-                for i, n in enumerate(self.lengths[step]):
+                for i in indices:
+                    n = self.lengths[step][i]
                     p = SamplingParams(
                         group_size=1, max_new_tokens=n, min_new_tokens=n, seed=step * 1000 + i
                     )
@@ -96,7 +106,7 @@ class Bench:
         groups = asyncio.run(run())
         for [c] in groups:
             c.stamp(version)
-        return [[Episode.from_completion(c)] for [c] in groups], {}
+        return [[Episode.from_completion(c)] for [c] in groups]
 
     def sync(self, version: int) -> None:
         self.ready.clear()
@@ -112,20 +122,34 @@ class Bench:
             self.ready.set()
 
 
-def run_mode(url: str, key: str, mode: str | None, lengths, args) -> dict[str, float]:
+def run_mode(url: str, key: str, mode: str, lengths, args) -> dict[str, float]:
+    """``mode``: drain, whole (in flight, whole batches) or groups (in flight, partial)."""
+    from megatron_gspo.data.prompts import Prompt
+    from megatron_gspo.episodes.group_pool import GroupPool
     from megatron_gspo.episodes.pipeline import RolloutPipeline
 
-    bench = Bench(url, key, mode, lengths, args)
+    bench = Bench(url, key, None if mode == "drain" else "keep", lengths, args)
     bench.sync(0)
-    queue = RolloutPipeline(
-        bench.rollout,
-        lambda step: [],
-        max_staleness=args.max_staleness,
-        next_step=1,
-        in_flight=mode is not None,
-    )
+    if mode == "groups":
+        prompt = Prompt("", "", [5, 6, 7])
+        queue = GroupPool(
+            bench.group,
+            lambda step: [prompt] * args.batch,
+            per_step=args.batch,
+            groups_in_flight=args.groups_in_flight,
+            max_staleness=args.max_staleness,
+            next_step=1,
+        )
+    else:
+        queue = RolloutPipeline(
+            bench.rollout,
+            lambda step: [],
+            max_staleness=args.max_staleness,
+            next_step=1,
+            in_flight=mode == "whole",
+        )
     queue.resume(version=0)
-    idle = spanning = samples = 0.0
+    idle = spanning = samples = tokens = 0.0
     start = None
     try:
         for step in range(1, args.steps + 1):
@@ -134,6 +158,7 @@ def run_mode(url: str, key: str, mode: str | None, lengths, args) -> dict[str, f
                 start, _ = time.perf_counter(), queue.waited()
             else:
                 samples += len(batch.episodes)
+                tokens += sum(len(e.token_ids) for [e] in batch.episodes)
                 spanning += sum(e.spans_versions for [e] in batch.episodes)
             time.sleep(args.train_s)  # the training step
             queue.pause()
@@ -146,9 +171,12 @@ def run_mode(url: str, key: str, mode: str | None, lengths, args) -> dict[str, f
         queue.close()
     return {
         "samples_per_s": samples / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "mean_length": tokens / max(samples, 1),
         "idle_s": idle,
         "elapsed_s": elapsed,
         "spanning": spanning / max(samples, 1),
+        "dropped": queue.dropped,
     }
 
 
@@ -177,7 +205,15 @@ def main() -> None:
     ap.add_argument("--sync-s", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument(
+        "--groups-in-flight",
+        type=int,
+        default=None,
+        help="the group pool's size (default: twice --batch); 0: whole batches only",
+    )
     args = ap.parse_args()
+    if args.groups_in_flight is None:
+        args.groups_in_flight = 2 * args.batch
 
     from megatron_gspo.rollout.vllm.local_server import (
         cpu_serving_args,
@@ -197,22 +233,45 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_served_model(Path(tmp) / "model", cfg)
         extra = [*cpu_serving_args(cfg.max_seq_length, max_num_seqs=4 * args.batch)]
-        with served(model_dir, [*extra, "--seed", "0"]) as (url, key):
+        # The trainer and the engine are separate machines in a real run: here one core each,
+        # so that the engine's decoding does not slow the trainer's side (its HTTP, the sync).
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("needs two CPU cores (one for the server, one for the trainer)")
+        os.sched_setaffinity(0, {cpus[0]})
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[1])}
+        with served(model_dir, [*extra, "--seed", "0"], env=bind, cpu=cpus[1]) as (url, key):
             d = decode_seconds_per_token(url, key, args)
-            results = {name: run_mode(url, key, mode, lengths, args)
-                       for name, mode in (("drain", None), ("in-flight", "keep"))}  # fmt: skip
+            modes = ["drain", "whole"] + (["groups"] if args.groups_in_flight else [])
+            results = {mode: run_mode(url, key, mode, lengths, args) for mode in modes}
     t, s, k = args.train_s, args.sync_s, args.max_staleness
     steps = lengths[2 : args.steps + 1]  # the batches trained after the first
-    best = sum(max(t, d * max(b)) + s for b in steps) / sum(
-        max(t + s, d * max(b) / k, d * statistics.mean(b)) for b in steps
-    )
-    for name, r in results.items():
+    drained = sum(max(t, d * max(b)) + s for b in steps)
+    whole = drained / sum(max(t + s, d * max(b) / k, d * statistics.mean(b)) for b in steps)
+    # Partial batches: no straggler term; the engine must still decode a step's tokens.
+    groups = drained / sum(max(t + s, d * statistics.mean(b)) for b in steps)
+    names = {
+        "drain": "drain",
+        "whole": "in flight, whole batches",
+        "groups": f"in flight, {args.groups_in_flight} groups in flight",
+    }
+    drawn = statistics.mean(flat)
+    for mode, r in results.items():
         print(
-            f"{name}: {r['samples_per_s']:.2f} samples/s, trainer idle {r['idle_s']:.1f} s of "
-            f"{r['elapsed_s']:.1f} s, samples spanning two versions {r['spanning']:.0%}"
+            f"{names[mode]}: {r['samples_per_s']:.2f} samples/s, {r['tokens_per_s']:.0f} "
+            f"tokens/s, trained mean length {r['mean_length']:.0f} (draws {drawn:.0f}), "
+            f"trainer idle {r['idle_s']:.1f} s of {r['elapsed_s']:.1f} s, samples spanning two "
+            f"versions {r['spanning']:.0%}, dropped {r['dropped']}"
         )
-    print(f"decode {d * 1e3:.1f} ms per token; best ratio these draws allow: {best:.2f}")
-    x, y = results["drain"]["samples_per_s"], results["in-flight"]["samples_per_s"]
+    print(
+        f"decode {d * 1e3:.1f} ms per token; best ratio these draws allow: whole batches "
+        f"{whole:.2f}, partial batches {groups:.2f}"
+    )
+    best = results["groups" if args.groups_in_flight else "whole"]
+    x, y = results["drain"]["samples_per_s"], best["samples_per_s"]
+    # Partial batches train the episodes that finish first: shorter than the draws.
+    tokens = best["tokens_per_s"] / results["drain"]["tokens_per_s"]
+    print(f"trained tokens/s, in flight against drain: {tokens:.2f}")
     print(f"in_flight: drain {x:.2f} samples/s, in-flight {y:.2f} samples/s, ratio {y / x:.2f}")
 
 

@@ -130,15 +130,27 @@ IN_FLIGHT = {
     "rollout": {"max_staleness": 1, "in_flight_updates": {"mode": "keep"}},
     "train": {"off_policy_correction": {"mode": "mis", "level": "sequence"}},
 }
+# The same with partial batches: 32 groups in flight, each step trains on the first 16 done.
+IN_FLIGHT_GROUPS = {
+    **IN_FLIGHT,
+    "rollout": {
+        "max_staleness": 1,
+        "in_flight_updates": {"mode": "keep", "groups_in_flight": 32},
+    },
+}
 
 
 @pytest.mark.slow
 @requires_vllm
-@pytest.mark.parametrize("in_flight", [False, True], ids=["on-policy", "in-flight-keep"])
-def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, in_flight):
+@pytest.mark.parametrize(
+    "sections",
+    [{}, IN_FLIGHT, IN_FLIGHT_GROUPS],
+    ids=["on-policy", "in-flight-keep", "in-flight-groups"],
+)
+def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, sections):
     """Through the CLI, as a user runs it against tools/serve_vllm.py's server."""
     url, key = server
-    sections = IN_FLIGHT if in_flight else {}
+    in_flight = bool(sections)
     data = _recipe(tmp_path / "run", run={"checkpoint_every": 100}, **sections)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -167,6 +179,10 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, in_flight):
         spanning = [r.get("episodes_spanning_versions", 0.0) for r in records]
         print(f"episodes spanning two versions: up to {max(spanning):.0%} of a step's")
         assert all(r.get("staleness_max", 0) <= 1 for r in records)
+        if sections is IN_FLIGHT_GROUPS:
+            dropped = records[-1]["rollout_groups_dropped"]
+            carried = sum(r["rollout_groups_carried"] for r in records) / len(records)
+            print(f"groups dropped {dropped:.0f}; carried to the next step {carried:.1f} a step")
     # vLLM's own record of the weights it holds: the trainer's version after the last step.
     from megatron_gspo.rollout.vllm.routes import Servers
 
