@@ -1,31 +1,36 @@
 """Draining before each weight sync against updating weights in flight, in one run.
 
-One CPU vLLM server on a tiny Qwen3-MoE; ``rollout.max_staleness: K`` (1 unless
-``--max-staleness``); the project's rollout queue (episodes/pipeline.py) and vLLM client in
-both modes, on the same draws. Every step
-trains for a fixed ``--train-s`` (a sleep: the trainer's cost is not what is measured) and then
-syncs: ``/pause`` (``wait`` when draining, ``keep`` in flight), the version label ``partial``,
-``--sync-s`` of transfer (a sleep; benchmarks/weight_sync.py measures the real one), the new
-version, ``/resume``. Each sample is its own request whose length is drawn from a lognormal
-(median ``--median`` tokens, ``--sigma``, capped at ``--max-tokens``; the stop forced at the
-drawn length), so a batch's tail is a few long samples.
+One CPU vLLM server on a tiny Qwen3-MoE, pinned to one core, this process (the trainer's
+side) to the other, as separate machines would be; ``rollout.max_staleness: K`` (1 unless
+``--max-staleness``); the project's rollout queues (episodes/pipeline.py,
+episodes/group_pool.py) and vLLM client, three modes on the same draws: drain, in flight with
+whole batches, and in flight with partial batches (``--groups-in-flight`` groups, twice the
+batch by default; 0 leaves them out). Every step trains for a fixed ``--train-s`` (a sleep:
+the trainer's cost is not what is measured) and then syncs: ``/pause`` (``wait`` when
+draining, ``keep`` in flight), the version label ``partial``, ``--sync-s`` of transfer (a
+sleep; benchmarks/weight_sync.py measures the real one), the new version, ``/resume``. Each
+sample is its own request (a group of one) whose length is drawn from a lognormal (median
+``--median`` tokens, ``--sigma``, capped at ``--max-tokens``; the stop forced at the drawn
+length), so a batch's tail is a few long samples.
 
-Printed per mode: samples/s over the steps after the first, the trainer's idle time (waiting
-for generation: the queue's ``waited()``), and the share of samples whose tokens span two
-versions. Also the best ratio these draws allow. A drained step costs at least the train step
-or its batch's longest sample, whichever is longer, and then the sync. In flight the sync no
-longer waits, but a batch is still trained whole, and its oldest token may be at most ``K``
-versions behind: batch ``s`` starts at the sync to version ``s - 1 - K`` and must be finished
-when step ``s`` takes it, so it has ``K`` steps for its longest sample; the engine must also
-decode every token (at the batch's concurrency, about its mean sample per step). With ``d``
-the seconds per decoded token of a sequence, measured first on this server:
-``sum(max(T, d * Lmax) + S) / sum(max(T + S, d * Lmax / K, d * Lmean))``. With ``K = 1`` only
-the sync is hidden; the straggler still sets the pace (docs/async.md).
+Printed per mode: samples/s and trained tokens/s over the steps after the first, the trained
+samples' mean length against the draws' (partial batches train the first to finish: the
+short ones), the trainer's idle time (waiting for generation: the queue's ``waited()``), the
+share of samples whose tokens span two versions, and the groups dropped beyond the bound.
+Also the best ratio these draws allow. A drained step costs at least the train step or its
+batch's longest sample, whichever is longer, and then the sync. In flight with whole batches
+the sync no longer waits, but batch ``s`` starts at the sync to version ``s - 1 - K`` and must
+be finished when step ``s`` takes it, so it has ``K`` steps for its longest sample; the
+engine must also decode every token (at the batch's concurrency, about its mean sample per
+step). With ``d`` the seconds per decoded token of a sequence, measured first on this server:
+``sum(max(T, d * Lmax) + S) / sum(max(T + S, d * Lmax / K, d * Lmean))``. Partial batches
+drop the straggler term.
 
-The last line: ``in_flight: drain <X> samples/s, in-flight <Y> samples/s, ratio <Y/X>``.
+The last line: ``in_flight: drain <X> samples/s, in-flight <Y> samples/s, ratio <Y/X>``, the
+in-flight figure partial batches' (whole batches' with ``--groups-in-flight 0``).
 
     python benchmarks/in_flight.py [--steps 10] [--batch 16] [--median 40] [--sigma 1.0]
-                                  [--max-staleness 1]
+                                  [--max-staleness 1] [--groups-in-flight 32]
 
 Needs vllm (``.ci/vllm-setup.sh``).
 """
