@@ -7,6 +7,7 @@ Against a real vLLM server: benchmarks/in_flight.py and tests/test_multi_turn_vl
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -151,7 +152,7 @@ def test_a_checkpoint_holds_the_groups_in_flight_finished_and_resumes_them_exact
         pool.take(1, current_version=0)
         groups.version = 1  # the sync, under (1, 1) and (2, 0)
         threading.Timer(0.2, groups.release, [(1, 1), (2, 0)]).start()
-        saved = pool.state()  # waits for the two; starts nothing more
+        saved = json.loads(json.dumps(pool.state()))  # waits for the two; starts nothing more
         time.sleep(0.1)
         assert len(groups.started) == 4, "a group started during the save"
     finally:
