@@ -21,6 +21,7 @@ from megatron_gspo.episodes.pipeline import Batch, RolloutPipeline
 from megatron_gspo.rollout.protocol import Completion
 from megatron_gspo.runtime.errors import InputError
 from tests.support.rl_fixtures import tiny_recipe
+from tests.support.waiting import eventually
 
 
 class _HeldGroups:
@@ -71,15 +72,6 @@ def _pool(rollout, next_step: int = 1) -> GroupPool:
     )
 
 
-def _eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _keys(batch: Batch) -> list[tuple[int, int]]:
     return [tuple(p.token_ids) for p in batch.prompts]
 
@@ -89,7 +81,7 @@ def test_a_step_takes_the_first_groups_to_finish_and_the_rest_run_on_across_the_
     pool = _pool(groups)
     try:
         pool.resume(version=0)
-        assert _eventually(lambda: len(groups.started) == 4), groups.started
+        assert eventually(lambda: len(groups.started) == 4), groups.started
         assert sorted(groups.started) == [(1, 0), (1, 1), (2, 0), (2, 1)]
         groups.release((2, 0), (1, 1))
         batch = pool.take(1, current_version=0)
@@ -100,11 +92,11 @@ def test_a_step_takes_the_first_groups_to_finish_and_the_rest_run_on_across_the_
         pool.pause()  # returns at once
         groups.version = 1  # the sync, under (1, 0) and (2, 1)
         pool.resume(version=1)  # step 3's prompts start: trained at step 2 or 3
-        assert _eventually(lambda: len(groups.started) == 6), groups.started
+        assert eventually(lambda: len(groups.started) == 6), groups.started
         groups.release((3, 0), (3, 1))  # on version 1 alone
-        assert _eventually(lambda: len(pool._finished) == 2)
+        assert eventually(lambda: len(pool._finished) == 2)
         groups.release((1, 0))  # after them, but older
-        assert _eventually(lambda: len(pool._finished) == 3)
+        assert eventually(lambda: len(pool._finished) == 3)
         batch = pool.take(2, current_version=1)
         assert _keys(batch) == [(1, 0), (3, 0)], "the stalest groups are not taken first"
         [e] = batch.episodes[0]
@@ -121,18 +113,18 @@ def test_a_group_beyond_the_staleness_bound_is_dropped_counted_and_never_trained
     pool = _pool(groups)
     try:
         pool.resume(version=0)
-        assert _eventually(lambda: len(groups.started) == 4)
+        assert eventually(lambda: len(groups.started) == 4)
         groups.release((1, 0), (1, 1))
         pool.take(1, current_version=0)
         for step in (2, 3):  # (2, 0) started on version 0 is still running at step 3
             groups.version = step - 1
             pool.resume(version=step - 1)
-            assert _eventually(lambda n=2 * step + 2: len(groups.started) >= n)
+            assert eventually(lambda n=2 * step + 2: len(groups.started) >= n)
             if step == 2:
                 groups.release((2, 1), (3, 0))
                 assert sorted(_keys(pool.take(2, current_version=1))) == [(2, 1), (3, 0)]
         groups.release((2, 0))  # finishes on version 2 with its first token from 0
-        assert _eventually(lambda: any(g.step == 2 for g in pool._finished))
+        assert eventually(lambda: any(g.step == 2 for g in pool._finished))
         groups.release((4, 0), (4, 1))  # started on version 1: within the bound
         batch = pool.take(3, current_version=2)
         assert sorted(_keys(batch)) == [(4, 0), (4, 1)]
@@ -147,7 +139,7 @@ def test_a_checkpoint_holds_the_groups_in_flight_finished_and_resumes_them_exact
     pool = _pool(groups)
     try:
         pool.resume(version=0)
-        assert _eventually(lambda: len(groups.started) == 4)
+        assert eventually(lambda: len(groups.started) == 4)
         groups.release((1, 0), (2, 1))
         pool.take(1, current_version=0)
         groups.version = 1  # the sync, under (1, 1) and (2, 0)
@@ -173,7 +165,7 @@ def test_a_checkpoint_holds_the_groups_in_flight_finished_and_resumes_them_exact
         assert e.token_versions == [0, 1], "the versions did not survive the checkpoint"
         # What was drawn but not started starts now, before anything newly drawn.
         pending = [(g["step"], g["index"]) for g in saved["pending"]]
-        assert _eventually(lambda: len(later.started) >= 2)
+        assert eventually(lambda: len(later.started) >= 2)
         assert later.started[:2] == pending[:2]
     finally:
         again.close()

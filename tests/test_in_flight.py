@@ -23,6 +23,7 @@ from megatron_gspo.run.loop import staleness_metrics
 from tests.support.ranks import run_distributed
 from tests.support.rl_fixtures import rollout_batch, tiny_recipe
 from tests.support.steps import LINEAR_ADAM
+from tests.support.waiting import eventually
 
 
 def test_the_recipe_refuses_in_flight_updates_an_engine_cannot_do():
@@ -198,15 +199,6 @@ class _HeldRollout:
         return [[Episode.from_completion(c)]], {}
 
 
-def _eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_in_flight_the_queue_syncs_under_a_batch_and_starts_the_next_beside_it():
     """max_staleness 1: after the sync to version v the batch of step v + 2 starts at once,
     beside the tail of step v + 1's, whose tokens then come from two versions; nothing
@@ -215,7 +207,7 @@ def test_in_flight_the_queue_syncs_under_a_batch_and_starts_the_next_beside_it()
     queue = RolloutPipeline(rollout, lambda step: [], max_staleness=1, next_step=1, in_flight=True)
     try:
         queue.resume(version=0)  # batches 1 and 2 on version 0 (2 is trained at step 2: lag 1)
-        assert _eventually(lambda: len(rollout.started) == 2), rollout.started
+        assert eventually(lambda: len(rollout.started) == 2), rollout.started
         rollout.release[1].set()
         queue.take(1, current_version=0)
         start = time.perf_counter()
@@ -223,7 +215,7 @@ def test_in_flight_the_queue_syncs_under_a_batch_and_starts_the_next_beside_it()
         assert time.perf_counter() - start < 1.0, "the sync waited for generation"
         rollout.version = 1  # the sync, with batch 2 in flight
         queue.resume(version=1)  # batch 3 may start now: trained at step 3, lag 1
-        assert _eventually(lambda: (3, 1) in rollout.started), "batch 3 waited for batch 2"
+        assert eventually(lambda: (3, 1) in rollout.started), "batch 3 waited for batch 2"
         assert len(rollout.started) == 3, "a batch beyond the staleness bound started"
         rollout.release[2].set()
         [[episode]] = queue.take(2, current_version=1).episodes
@@ -272,7 +264,7 @@ def test_drained_the_queue_waits_for_generation_before_the_sync():
         queue.resume(version=0)
         rollout.release[1].set()
         queue.take(1, current_version=0)
-        assert _eventually(lambda: len(rollout.started) == 2)
+        assert eventually(lambda: len(rollout.started) == 2)
         queue.waited()
         threading.Timer(0.3, rollout.release[2].set).start()
         queue.pause()  # until batch 2 has ended

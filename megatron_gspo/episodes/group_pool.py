@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
-from megatron_gspo.episodes.pipeline import Batch
+from megatron_gspo.episodes.pipeline import Batch, oldest_version
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 
@@ -58,8 +58,7 @@ class _Group:
     stats: dict[str, float] = field(default_factory=dict)
 
     def oldest(self) -> int | None:
-        known = [v for e in self.episodes for v in e.versions if v is not None]
-        return min(known) if known else None
+        return oldest_version([self.episodes])
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,7 @@ from megatron_gspo.rollout.protocol import Completion
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 
-__all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline"]
+__all__ = ["Batch", "OnPolicyRollouts", "RolloutPipeline", "oldest_version"]
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,13 @@ class RolloutPipeline:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def oldest_version(groups: list[list[Episode]]) -> int | None:
+    """The weights version of the oldest turn among the groups' episodes (None: unknown)."""
+    known = [v for g in groups for e in g for v in e.versions if v is not None]
+    return min(known) if known else None
+
+
 def _staleness(batch: Batch, current_version: int) -> int:
     """Updates between the oldest turn of the batch and the current policy."""
-    known = [v for g in batch.episodes for e in g for v in e.versions if v is not None]
-    return current_version - min(known) if known else 0
+    oldest = oldest_version(batch.episodes)
+    return 0 if oldest is None else current_version - oldest
