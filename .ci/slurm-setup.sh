@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for tests/test_slurm.py.
+# A Slurm cluster on this machine, for tests/test_slurm.py and tests/test_slurm_vllm.py.
 #
 # CI runs the sbatch recipes in slurm/ against a real slurmctld + slurmd instead of a mock, so
 # that requeue, signals and the batch environment are Slurm's own. This script is idempotent:
@@ -9,12 +9,19 @@
 #
 #   sudo .ci/slurm-setup.sh            # then: .venv/bin/python -m pytest -q tests/test_slurm.py
 #
+# Nodes: this machine under its own name (partition `debug`, the default), and EMULATED_NODES
+# (default 3) more, gspo-n1..gspo-nN in partition `nodes`, each a slurmd of its own (`slurmd -N`)
+# with an address of its own on the loopback (127.0.1.i, written to /etc/hosts): a job there
+# has several nodes whose names resolve, whose servers may share a port, and whose steps are
+# placed by --nodelist, as on a cluster; they share this machine's CPUs.
+#
 # Environment: SLURM_SETUP_STATE (default /var/spool/megatron-gspo-slurm) holds state, spool
 # and daemon logs; SLURM_SETUP_TIMEOUT (default 60) bounds the wait for the node.
 set -euo pipefail
 
 STATE=${SLURM_SETUP_STATE:-/var/spool/megatron-gspo-slurm}
 TIMEOUT=${SLURM_SETUP_TIMEOUT:-60}
+EMULATED_NODES=${EMULATED_NODES:-3}
 CONF_DIR=/etc/slurm
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -58,7 +65,22 @@ fi
 node=$(hostname -s)
 cpus=$(nproc)
 mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
-install -d -m 0755 "$STATE" "$STATE/ctld" "$STATE/d" "$CONF_DIR"
+install -d -m 0755 "$STATE" "$STATE/ctld" "$STATE/d" "$STATE/d/$node" "$CONF_DIR"
+nodes=("$node")
+emulated=""
+for i in $(seq "$EMULATED_NODES"); do
+  name=gspo-n$i
+  addr=127.0.1.$i
+  nodes+=("$name")
+  install -d -m 0755 "$STATE/d/$name"
+  emulated+="NodeName=$name NodeHostname=$node NodeAddr=$addr Port=$((6820 + i)) CPUs=$cpus"
+  emulated+=" RealMemory=$mem_mb State=UNKNOWN"$'\n'
+  grep -qE "^${addr}[[:space:]]+${name}\$" /etc/hosts || printf '%s %s\n' "$addr" "$name" >>/etc/hosts
+done
+if [ "$EMULATED_NODES" -gt 0 ]; then
+  emulated+="PartitionName=nodes Nodes=gspo-n[1-$EMULATED_NODES] Default=NO MaxTime=INFINITE"
+  emulated+=" State=UP"
+fi
 conf=$(
   cat <<EOF
 # Written by megatron-gspo .ci/slurm-setup.sh; rewritten on every run.
@@ -68,11 +90,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/d
+SlurmdSpoolDir=$STATE/d/%n
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/slurmctld.log
-SlurmdLogFile=$STATE/slurmd.log
+SlurmdLogFile=$STATE/slurmd-%n.log
 # No cgroups in a container: track processes by parentage, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -94,6 +116,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=60
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
+$emulated
 EOF
 )
 changed=0
@@ -105,7 +128,7 @@ fi
 # 4. Daemons, started directly (no systemd). A changed config restarts running ones.
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 if [ "$changed" -eq 1 ]; then
-  for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid"; do
+  for pidfile in "$STATE"/slurmd*.pid "$STATE/slurmctld.pid"; do
     if running "$pidfile"; then
       kill "$(cat "$pidfile")"
       for _ in $(seq 20); do running "$pidfile" || break; sleep 0.5; done
@@ -114,21 +137,25 @@ if [ "$changed" -eq 1 ]; then
 fi
 running "$STATE/slurmctld.pid" || slurmctld
 for _ in $(seq 40); do scontrol ping >/dev/null 2>&1 && break; sleep 0.5; done
-running "$STATE/slurmd.pid" || slurmd
+for n in "${nodes[@]}"; do
+  running "$STATE/slurmd-$n.pid" || slurmd -N "$n"
+done
 
 # 5. Wait until the node takes jobs; a node left DOWN/DRAIN by an earlier run is resumed.
 deadline=$((SECONDS + TIMEOUT))
-while :; do
-  state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)
-  case "$state" in
-    idle* | mixed* | allocated*) break ;;
-    down* | drain*) scontrol update NodeName="$node" State=RESUME 2>/dev/null || true ;;
-  esac
-  if [ "$SECONDS" -ge "$deadline" ]; then
-    echo "slurm-setup: node $node not idle after ${TIMEOUT}s (state: ${state:-none})" >&2
-    tail -n 20 "$STATE/slurmctld.log" "$STATE/slurmd.log" >&2 || true
-    exit 1
-  fi
-  sleep 1
+for n in "${nodes[@]}"; do
+  while :; do
+    state=$(sinfo -h -n "$n" -o %T 2>/dev/null || true)
+    case "$state" in
+      idle* | mixed* | allocated*) break ;;
+      down* | drain*) scontrol update NodeName="$n" State=RESUME 2>/dev/null || true ;;
+    esac
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "slurm-setup: node $n not idle after ${TIMEOUT}s (state: ${state:-none})" >&2
+      tail -n 20 "$STATE/slurmctld.log" "$STATE/slurmd-$n.log" >&2 || true
+      exit 1
+    fi
+    sleep 1
+  done
 done
-echo "slurm-setup: node $node is ${state} ($cpus CPUs, ${mem_mb} MB); logs in $STATE"
+echo "slurm-setup: nodes ${nodes[*]} up ($cpus CPUs, ${mem_mb} MB each, shared); logs in $STATE"

@@ -20,8 +20,10 @@ Needs vllm (``.ci/vllm-setup.sh``) and two CPU cores.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,14 +99,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
-    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+    from megatron_gspo.rollout.vllm.server_command import JOB_KEY_ENV
+    from megatron_gspo.rollout.vllm.single_node import served, write_served_model
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("needs two CPU cores (one for the server, one for the trainer)")
     cfg = model_config()
     work = Path(tempfile.mkdtemp(prefix="async-rollout-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # failures print their log
     write_served_model(work / "model", cfg)
 
     extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]

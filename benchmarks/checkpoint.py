@@ -1,119 +1,151 @@
-"""What a reshardable checkpoint costs: save, load and size, fully_reshardable against
-dp_reshardable, in one run.
+"""How long a checkpoint stops training: synchronous against asynchronous saves, in one run.
 
-Trains one GSPO step of a Qwen3-style MoE (so Adam's moments exist) at 2 data-parallel ranks
-with the distributed optimizer, the layout where the two formats differ (``dp_reshardable``
-writes each rank's flat optimizer shard as it is, and resumes on the same DP size only;
-``fully_reshardable``, the project's format, writes the optimizer's states per parameter, so a
-run resumes on any TP/PP/EP/DP layout). Each save goes through the project's ``Checkpointer``
-(the same atomic rename, manifest and SHA-256 as in training) and each load verifies it, so the
-figures are what a run pays. Prints per format the medians over the repeats, and last:
-``checkpoint: fully_reshardable save <S> s load <L> s <M> MB; ratio to dp_reshardable: save
-<a>x, load <b>x, size <c>x``.
+One rank trains a Qwen3-style MoE whose checkpoint (weights and Adam's moments) takes longer to
+write than a training step takes (``--hidden``, ``--layers``; the step a small batch), and
+checkpoints every ``--every`` steps through the project's ``Checkpointer``, as the loop does:
+first with synchronous saves (the step loop waits for the write, the hashing, the manifest
+and the rename), then with ``run.async_save`` (Megatron-Core's asynchronous save: the loop
+waits only to hand the state over, and to publish a save whose writer has finished, at the
+next step). Per mode: the loop's time blocked per checkpoint, as the run's metric
+``checkpoint_blocked_s`` counts it (the steps' waits; the exit's wait for the last save is
+printed on its own), the whole save from its start to ``latest`` naming it, and what hashing
+the files costs per GB (read from the page cache, right after the write, as the writer does).
+Temporary checkpoints are removed at the end unless ``--dir`` names where to keep them.
 
-    python benchmarks/checkpoint.py [--repeats 3] [--layers 4] [--hidden 256] [--dir DIR]
+The last line: ``async_save: training blocked <X> s per checkpoint synchronous, <Y> s
+asynchronous, ratio <X/Y>``.
+
+    python benchmarks/checkpoint.py [--steps 24] [--every 3] [--layers 4] [--hidden 384]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FORMATS = ("dp_reshardable", "fully_reshardable")
+sys.path.insert(0, str(ROOT))
 
 
 def recipe_data(args, run_dir: Path) -> dict:
-    import yaml
+    from benchmarks.checkpoint_format import moe_recipe
 
-    data = yaml.safe_load((ROOT / "recipes" / "tiny-moe.yaml").read_text())
-    data["model"].update(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=8,
-        num_query_groups=4,
-        head_dim=args.hidden // 8,
-        vocab_size=4096,
-        num_experts=8,
-        moe_ffn_hidden_size=2 * args.hidden,
-    )
-    data["model"]["max_seq_length"] = 512
-    data["memory"] = {"use_distributed_optimizer": True}
-    data["run"].update(output_dir=str(run_dir), tensorboard=False, plot_every=0)
+    data = moe_recipe(args, run_dir)
+    data["model"]["max_seq_length"] = 128
     return data
 
 
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
-    from benchmarks._ranks import join_world
-
-    join_world(rank, world, port)
-    import torch.distributed as dist
-
-    from benchmarks.train_step import skewed_samples
-    from megatron_gspo.config import Recipe
-    from megatron_gspo.parallel import init_parallel
+def run_mode(policy, trainer, batch, base: Path, async_save: bool, args) -> dict:
     from megatron_gspo.run.checkpoint import Checkpointer
-    from megatron_gspo.trainer.policy import Policy
-    from megatron_gspo.trainer.step import GSPOTrainer
 
-    base = Path(args.dir)
-    recipe = Recipe.model_validate(recipe_data(args, base / "run"))
-    policy = Policy(recipe, init_parallel(recipe.parallel))
-    GSPOTrainer(policy).step(skewed_samples(16, recipe.model.vocab_size))
-    params = sum(p.numel() for p in policy.model.parameters())
-    out = {"params_rank0": params}
-    for fmt in FORMATS:
-        saves, loads = [], []
-        for i in range(args.repeats):
-            ckpts = Checkpointer(base / fmt, policy, keep=1, optimizer_format=fmt)
-            dist.barrier()
+    ckpts = Checkpointer(base / ("async" if async_save else "sync"), policy, keep=2,
+                         async_save=async_save)  # fmt: skip
+    blocked, waited, spans, started, step_s = 0.0, 0.0, [], {}, []
+    saves = 0
+    for step in range(1, args.steps + 1):
+        t = time.perf_counter()
+        ckpts.poll()  # publishing a finished save is blocked time too
+        trainer.step(batch)
+        step_s.append(time.perf_counter() - t)
+        if step % args.every == 0:
             t = time.perf_counter()
-            path = ckpts.save(i + 1, {})
-            dist.barrier()
-            saves.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            ckpts.load(i + 1)
-            dist.barrier()
-            loads.append(time.perf_counter() - t)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        out[fmt] = (statistics.median(saves), statistics.median(loads), size / 1e6)
-    if rank == 0:
-        results.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+            ckpts.wait()  # the save before, still being written
+            waited += time.perf_counter() - t
+            started[step] = time.perf_counter()
+            ckpts.save(step, {})
+            saves += 1
+        blocked += ckpts.take_blocked_s()
+        latest = ckpts.latest_step()
+        if latest in started:  # published: the save is done
+            spans.append(time.perf_counter() - started.pop(latest))
+    # The end of the run waits for the last save: after the last step, so it blocks no
+    # training; it delays the exit, and is printed on its own.
+    t = time.perf_counter()
+    ckpts.wait()
+    end = time.perf_counter() - t + ckpts.take_blocked_s()
+    latest = ckpts.latest_step()
+    if latest in started:
+        spans.append(time.perf_counter() - started.pop(latest))
+    return {
+        "blocked": (blocked + waited) / saves,
+        "waited": waited / saves,
+        "end": end,
+        "span": statistics.median(spans),
+        "step": statistics.median(step_s),
+        "path": ckpts.dir / f"iter_{latest:07d}",
+    }
+
+
+def hash_rate(path: Path) -> tuple[float, float]:
+    """Seconds per GB to hash a checkpoint's files from the page cache, and its GB."""
+    from megatron_gspo.weights.manifest import sha256_of
+
+    files = [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files) / 1e9
+    for p in files:  # into the page cache, as right after a write
+        p.read_bytes()
+    t = time.perf_counter()
+    for p in files:
+        sha256_of(p)
+    return (time.perf_counter() - t) / size, size
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    args = parser.parse_args()
-    args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--dir", default=None, help="where to write and keep (default: a temp dir)")
+    args = ap.parse_args()
 
-    import sys
+    base = Path(args.dir or tempfile.mkdtemp(prefix="async-save-"))
+    try:
+        measure(args, base)
+    finally:
+        if args.dir is None:  # 1.5 GB of checkpoints a run
+            shutil.rmtree(base, ignore_errors=True)
 
-    sys.path.insert(0, str(ROOT))
-    from benchmarks._ranks import run_ranks
 
-    got = run_ranks(rank_main, 2, args)
+def measure(args, base: Path) -> None:
+    from benchmarks.train_step import skewed_samples
+    from megatron_gspo.config import Recipe
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
+
+    recipe = Recipe.model_validate(recipe_data(args, base / "run"))
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    trainer = GSPOTrainer(policy)
+    batch = [s for s in skewed_samples(args.samples, recipe.model.vocab_size)]
+    for s in batch:  # short responses: a step well under a save
+        s.response_ids = s.response_ids[:16]
+    params = sum(p.numel() for p in policy.model.parameters())
+    results = {m: run_mode(policy, trainer, batch, base, m, args) for m in (False, True)}
+    per_gb, size = hash_rate(results[True]["path"])
     print(
-        f"model: {args.layers} layers, hidden {args.hidden}, 8 experts, "
-        f"{got['params_rank0'] / 1e6:.1f}M parameters; "
-        f"DP2 with the distributed optimizer; writing to {args.dir}"
+        f"model: {args.layers} layers, hidden {args.hidden}, 8 experts, {params / 1e6:.1f}M "
+        f"parameters; checkpoint {size:.2f} GB; a checkpoint every {args.every} steps; "
+        f"writing to {base}"
     )
-    print(f"{'format':<20}{'save s':>9}{'load s':>9}{'MB':>9}")
-    for fmt in FORMATS:
-        save, load, mb = got[fmt]
-        print(f"{fmt:<20}{save:>9.3f}{load:>9.3f}{mb:>9.1f}")
-    (ds, dl, dm), (fs, fl, fm) = got["dp_reshardable"], got["fully_reshardable"]
+    for mode, r in (("synchronous", results[False]), ("asynchronous", results[True])):
+        print(
+            f"{mode}: training blocked {r['blocked']:.2f} s per checkpoint over {args.steps} "
+            f"steps (of which {r['waited']:.2f} waiting for the save before); the exit waited "
+            f"{r['end']:.2f} s for the last save; a save takes {r['span']:.2f} s until it is "
+            f"latest; a step {r['step']:.2f} s"
+        )
+    print(f"hashing: {per_gb:.2f} s per GB (page cache, one core)")
+    x, y = results[False]["blocked"], results[True]["blocked"]
     print(
-        f"checkpoint: fully_reshardable save {fs:.2f} s load {fl:.2f} s {fm:.0f} MB; "
-        f"ratio to dp_reshardable: save {fs / ds:.2f}x, load {fl / dl:.2f}x, size {fm / dm:.2f}x"
+        f"async_save: training blocked {x:.2f} s per checkpoint synchronous, {y:.2f} s "
+        f"asynchronous, ratio {x / y:.2f}"
     )
 
 

@@ -17,14 +17,16 @@ Printed per mode: samples/s and trained tokens/s over the steps after the first,
 samples' mean length against the draws' (partial batches train the first to finish: the
 short ones), the trainer's idle time (waiting for generation: the queue's ``waited()``), the
 share of samples whose tokens span two versions, and the groups dropped beyond the bound.
-Also the best ratio these draws allow. A drained step costs at least the train step or its
-batch's longest sample, whichever is longer, and then the sync. In flight with whole batches
+Also a model's estimate of the ratio for these draws (an estimate, not a bound: it charges every
+token one decode time, measured at the batch's concurrency, while a batch's tail decodes alone
+and faster, so a measured ratio can exceed it). A drained step costs at least the train step or
+its batch's longest sample, whichever is longer, and then the sync. In flight with whole batches
 the sync no longer waits, but batch ``s`` starts at the sync to version ``s - 1 - K`` and must
-be finished when step ``s`` takes it, so it has ``K`` steps for its longest sample; the
-engine must also decode every token (at the batch's concurrency, about its mean sample per
-step). With ``d`` the seconds per decoded token of a sequence, measured first on this server:
-``sum(max(T, d * Lmax) + S) / sum(max(T + S, d * Lmax / K, d * Lmean))``. Partial batches
-drop the straggler term.
+be finished when step ``s`` takes it, so it has ``K`` steps for its longest sample; the engine
+must also decode every token (at the batch's concurrency, about its mean sample per step). With
+``d`` the seconds per decoded token of a sequence, measured first on this server:
+``sum(max(T, d * Lmax) + S) / sum(max(T + S, d * Lmax / K, d * Lmean))``. Partial batches drop
+the straggler term.
 
 The last line: ``in_flight: drain <X> samples/s, in-flight <Y> samples/s, ratio <Y/X>``, the
 in-flight figure partial batches' (whole batches' with ``--groups-in-flight 0``).
@@ -52,15 +54,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def draw_lengths(args) -> list[list[int]]:
-    """Per step, each sample's length (fixed seed: both modes get the same draws)."""
+def draw_lengths(args, steps: int | None = None) -> list[list[int]]:
+    """Per step, each sample's length (fixed seed: both modes get the same draws); ``steps``
+    batches (default: as many as the group pool draws ahead of ``args.steps``)."""
     rng = random.Random(args.seed)
     return [
         [
             max(1, min(args.max_tokens, round(rng.lognormvariate(0, args.sigma) * args.median)))
             for _ in range(args.batch)
         ]
-        for _ in range(3 * args.steps + 4)  # the group pool draws ahead
+        for _ in range(3 * args.steps + 4 if steps is None else steps)
     ]
 
 
@@ -68,8 +71,8 @@ class Bench:
     """A client, its servers' routes and the engine's sync gate, for one mode."""
 
     def __init__(self, url: str, key: str, mode: str | None, lengths, args) -> None:
-        from megatron_gspo.rollout.vllm.client import VLLMClient
-        from megatron_gspo.rollout.vllm.routes import Servers
+        from megatron_gspo.rollout.vllm.http_client import VLLMClient
+        from megatron_gspo.rollout.vllm.rl_api import Servers
 
         self.ready = threading.Event()
         self.ready.set()
@@ -117,7 +120,7 @@ class Bench:
         self.ready.clear()
         try:
             mode = "keep" if self.mode else "wait"
-            self.servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/sync.py
+            self.servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/weight_sync.py
             self.servers.set_version("partial")
             time.sleep(self.args.sync_s)
             self.servers.set_version(str(version))
@@ -188,7 +191,7 @@ def run_mode(url: str, key: str, mode: str, lengths, args) -> dict[str, float]:
 def decode_seconds_per_token(url: str, key: str, args) -> float:
     """One sequence's seconds per decoded token at the batch's concurrency."""
     from megatron_gspo.rollout.protocol import RolloutRequest, SamplingParams
-    from megatron_gspo.rollout.vllm.client import VLLMClient
+    from megatron_gspo.rollout.vllm.http_client import VLLMClient
 
     client = VLLMClient([url], api_key=key, request_timeout_s=600)
     n = args.max_tokens
@@ -220,7 +223,7 @@ def main() -> None:
     if args.groups_in_flight is None:
         args.groups_in_flight = 2 * args.batch
 
-    from megatron_gspo.rollout.vllm.local_server import (
+    from megatron_gspo.rollout.vllm.single_node import (
         cpu_serving_args,
         served,
         write_served_model,
@@ -269,7 +272,7 @@ def main() -> None:
             f"versions {r['spanning']:.0%}, dropped {r['dropped']}"
         )
     print(
-        f"decode {d * 1e3:.1f} ms per token; best ratio these draws allow: whole batches "
+        f"decode {d * 1e3:.1f} ms per token; modelled ratio for these draws: whole batches "
         f"{whole:.2f}, partial batches {groups:.2f}"
     )
     best = results["groups" if args.groups_in_flight else "whole"]

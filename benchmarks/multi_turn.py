@@ -23,8 +23,10 @@ Needs vllm (``.ci/vllm-setup.sh``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,8 +117,8 @@ def main() -> None:
     from megatron_gspo.episodes.environment import EnvironmentPool
     from megatron_gspo.episodes.runner import EpisodeRunner, EpisodeSetup
     from megatron_gspo.rollout.protocol import SamplingParams
-    from megatron_gspo.rollout.vllm.client import VLLMClient
-    from megatron_gspo.rollout.vllm.local_server import (
+    from megatron_gspo.rollout.vllm.http_client import VLLMClient
+    from megatron_gspo.rollout.vllm.single_node import (
         cpu_serving_args,
         served,
         write_served_model,
@@ -144,6 +146,7 @@ def main() -> None:
         seed=7,
     )
     work = Path(tempfile.mkdtemp(prefix="gspo-multi-turn-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     model_dir = write_served_model(work / "model", cfg)
     extra = cpu_serving_args(cfg.max_seq_length, max_num_seqs=args.episodes)
     envs = EnvironmentPool(

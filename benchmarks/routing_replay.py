@@ -50,10 +50,10 @@ def run(scenario: str, seed: int, steps: int) -> dict[str, list[float]]:
     from megatron_gspo.config import ParallelConfig, PrecisionConfig
     from megatron_gspo.data.prompts import PromptStream
     from megatron_gspo.episodes.episode import single_turn
-    from megatron_gspo.episodes.rewards import RewardComputer
     from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.model import build_model
     from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rewards.computer import RewardComputer
     from megatron_gspo.rollout import RolloutRequest, SamplingParams
     from megatron_gspo.rollout.local import LocalEngine
     from megatron_gspo.trainer.policy import Policy

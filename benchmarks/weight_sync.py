@@ -25,6 +25,8 @@ is slower). Needs vllm (``.ci/vllm-setup.sh``).
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -124,10 +126,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks._ranks import run_ranks
-    from megatron_gspo.rollout.vllm.local_server import served, write_served_model
+    from megatron_gspo.rollout.vllm.single_node import served, write_served_model
 
     cfg = model_config(args.layers)
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     sync_dir = Path(args.sync_dir or work / "sync")
     sync_dir.mkdir(parents=True, exist_ok=True)
     write_served_model(work / "model", cfg)

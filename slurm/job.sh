@@ -9,7 +9,12 @@
 #   3. starts one `launch --role trainer` per trainer node (torchrun ... train), which waits
 #      for the servers' /health before training and gets their URLs in
 #      MEGATRON_GSPO_VLLM_URLS;
-#   4. waits for the trainer; if the servers die first, stops the trainer and fails;
+#   4. waits for the trainer. A rollout node's servers that exit are restarted by their
+#      `launch --role rollout` (the trainer sends them its current weights before they serve
+#      again); a rollout step that ends (its servers given up, its node lost) is logged and
+#      the trainer goes on with the other servers; with fewer than rollout.vllm.min_servers
+#      serving it checkpoints and exits 75, and the job requeues itself. When every rollout
+#      step has ended, the trainer is stopped (it saves) and the job fails, not requeued;
 #   5. on exit, success or not, stops the servers (trap EXIT).
 #
 # Signals. USR1 (sbatch --signal=B:USR1@SECONDS, the time limit is near): the trainer step is
@@ -39,6 +44,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-}
 MASTER_PORT=${MASTER_PORT:-}
 VLLM_PORT=${VLLM_PORT:-8000}
 VLLM_MODEL=${VLLM_MODEL:-}
+VLLM_MODEL_FROM_RECIPE=${VLLM_MODEL_FROM_RECIPE:-}
 VLLM_TP=${VLLM_TP:-}
 VLLM_ARGS=${VLLM_ARGS:-}
 ROLLOUT_WAIT=${ROLLOUT_WAIT:-1800}
@@ -94,6 +100,7 @@ launch_args=(--trainer-nodes "$TRAINER_NODES" --rollout-nodes "$ROLLOUT_NODES"
 [ -n "$VLLM_TP" ] && launch_args+=(--vllm-tp "$VLLM_TP")
 rollout_args=()
 [ -n "$VLLM_MODEL" ] && rollout_args+=(--vllm-model "$VLLM_MODEL")
+[ -n "$VLLM_MODEL_FROM_RECIPE" ] && rollout_args+=(--vllm-model-from-recipe "$VLLM_MODEL_FROM_RECIPE")
 [ -n "$VLLM_ARGS" ] && rollout_args+=(--vllm-args "$VLLM_ARGS")
 train_args=(--output-dir "$OUTPUT_DIR" --shutdown-timeout "$SHUTDOWN_TIMEOUT"
   --rollout-wait "$ROLLOUT_WAIT")
@@ -109,11 +116,16 @@ step_args=(--ntasks-per-node=1 --overlap --cpu-bind=none --open-mode=append
 
 # 2.-5. Processes, signals and clean-up.
 trainer_pid=""
-rollout_pid=""
+rollout_pids=() # one step per rollout node: a node lost ends its own servers only
 reward_pid=""
 stop=""
 
 alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
+any_alive() {
+  local p
+  for p in "$@"; do alive "$p" && return 0; done
+  return 1
+}
 
 # Signals go to a step through slurmctld (`scancel --signal`), never to srun itself: srun
 # answers SIGTERM by killing its step at once, which would lose the checkpoint.
@@ -123,16 +135,18 @@ signal_step() { # name signal
   for id in $(step_ids "$1"); do scancel --signal="$2" "$id" 2>/dev/null || true; done
 }
 
-stop_step() { # name pid: SIGTERM, then cancel the step after 60 s
-  alive "$2" || return 0
-  log "stopping the $1 step"
-  signal_step "$1" TERM
+stop_step() { # name pid...: SIGTERM, then cancel the step(s) after 60 s
+  local name=$1
+  shift
+  any_alive "$@" || return 0
+  log "stopping the $name step"
+  signal_step "$name" TERM
   for _ in $(seq 60); do
-    alive "$2" || return 0
+    any_alive "$@" || return 0
     sleep 1
   done
   local id
-  for id in $(step_ids "$1"); do scancel "$id" 2>/dev/null || true; done
+  for id in $(step_ids "$name"); do scancel "$id" 2>/dev/null || true; done
 }
 
 # shellcheck disable=SC2317  # a trap handler: called by the shell, not by a line here
@@ -140,7 +154,7 @@ on_exit() {
   local rc=$?
   trap - USR1 TERM
   stop_step trainer "$trainer_pid"
-  stop_step rollout "$rollout_pid"
+  stop_step rollout ${rollout_pids[@]+"${rollout_pids[@]}"}
   stop_step reward "$reward_pid"
   log "done (exit $rc)"
 }
@@ -164,11 +178,14 @@ trap on_term TERM
 if [ "$ROLLOUT_NODES" -gt 0 ] || [ "$ROLLOUT_GPUS" -gt 0 ]; then
   if [ "$ROLLOUT_NODES" -gt 0 ]; then serve_on=("${rollouts[@]}"); else serve_on=("${trainers[@]}"); fi
   log "rollout nodes: $(join "${serve_on[@]}") (vLLM on port $VLLM_PORT)"
-  srun "${step_args[@]}" --job-name=rollout --nodes="${#serve_on[@]}" --ntasks="${#serve_on[@]}" \
-    --nodelist="$(join "${serve_on[@]}")" --output="$LOG_DIR/rollout-%N.log" \
-    "${gspo[@]}" launch "$RECIPE" --role rollout "${launch_args[@]}" "${rollout_args[@]}" &
-  rollout_pid=$!
+  for node in "${serve_on[@]}"; do
+    srun "${step_args[@]}" --job-name=rollout --nodes=1 --ntasks=1 --nodelist="$node" \
+      --output="$LOG_DIR/rollout-$node.log" \
+      "${gspo[@]}" launch "$RECIPE" --role rollout "${launch_args[@]}" "${rollout_args[@]}" &
+    rollout_pids+=($!)
+  done
 fi
+serving_steps=${#rollout_pids[@]}
 
 if [ "$REWARD_NODES" -gt 0 ]; then
   log "reward nodes: $(join "${rewards[@]}") (the recipe's judge or reward model on port $REWARD_PORT)"
@@ -188,13 +205,25 @@ trainer_pid=$!
 # Poll rather than `wait -n`: that needs bash >= 5.1, which many clusters lack. `sleep & wait`
 # keeps the shell interruptible, so USR1/TERM are handled at once.
 while alive "$trainer_pid"; do
-  if [ -n "$rollout_pid" ] && ! alive "$rollout_pid"; then
+  left=()
+  for pid in ${rollout_pids[@]+"${rollout_pids[@]}"}; do
+    if alive "$pid"; then
+      left+=("$pid")
+      continue
+    fi
     rollout_rc=0
-    wait "$rollout_pid" || rollout_rc=$?
-    rollout_pid=""
-    log "error: the rollout servers exited (status $rollout_rc) while training; see" \
-      "$LOG_DIR/rollout-*.log"
-    exit 1
+    wait "$pid" || rollout_rc=$?
+    log "warning: a rollout step ended (status $rollout_rc) while training; the trainer goes" \
+      "on with the servers left (rollout.vllm.min_servers); see $LOG_DIR/rollout-*.log"
+  done
+  rollout_pids=(${left[@]+"${left[@]}"})
+  if [ "$serving_steps" -gt 0 ] && [ "${#rollout_pids[@]}" -eq 0 ] && [ -z "$stop" ]; then
+    # Nothing in this allocation brings them back, and a requeue would only meet the same
+    # failure if it was the servers' command (a wrong model path, vLLM missing): stop here.
+    stop=rollout
+    log "error: every rollout step ended; stopping the trainer (it saves a checkpoint) and" \
+      "ending the job without a requeue; see $LOG_DIR/rollout-*.log"
+    stop_step trainer "$trainer_pid"
   fi
   if [ -n "$reward_pid" ] && ! alive "$reward_pid"; then
     reward_pid=""
@@ -208,14 +237,19 @@ trainer_rc=0
 wait "$trainer_pid" || trainer_rc=$?
 trainer_pid=""
 log "trainer finished with status $trainer_rc"
+if [ "$stop" = rollout ]; then
+  exit 1
+fi
 
-# Exit 75: the trainer stopped on SIGTERM after saving a checkpoint ("resume me"; launch
-# passes it on through torchrun). Requeued when it was the time-limit warning; after an
-# external SIGTERM (pre-emption, scontrol requeue, scancel) Slurm itself decides.
-if [ "$trainer_rc" -eq 75 ] && [ "$stop" = timelimit ] && [ "$REQUEUE_ON_TIMELIMIT" = 1 ]; then
-  stop_step rollout "$rollout_pid"
+# Exit 75: the trainer stopped after saving a checkpoint ("resume me"; launch passes it on
+# through torchrun): on SIGTERM, or by itself when too few rollout servers served. Requeued
+# when it was the time-limit warning or the servers; after an external SIGTERM (pre-emption,
+# scontrol requeue, scancel) Slurm itself decides.
+if [ "$trainer_rc" -eq 75 ] && { [ "$stop" = timelimit ] || [ -z "$stop" ]; } &&
+  [ "$REQUEUE_ON_TIMELIMIT" = 1 ]; then
+  stop_step rollout ${rollout_pids[@]+"${rollout_pids[@]}"}
   stop_step reward "$reward_pid"
-  rollout_pid=""
+  rollout_pids=()
   reward_pid=""
   log "requeueing job $SLURM_JOB_ID to continue from the checkpoint"
   scontrol requeue "$SLURM_JOB_ID"

@@ -34,3 +34,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The Slurm cluster of .ci/slurm-setup.sh, held by this test module alone
+    (tests/support/slurm.py)."""
+    from tests.support.slurm import held_cluster
+
+    with held_cluster() as state:
+        yield state

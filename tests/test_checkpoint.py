@@ -179,3 +179,108 @@ def test_a_checkpoint_written_before_the_package_moved_resumes(tmp_path):
     # Step 3 trains the batch the old run had queued: sampled by the weights of step 1.
     assert records[-1]["staleness_max"] == 1
     assert (run / "checkpoints" / "iter_0000003").is_dir()
+
+
+def _saved_before_adams_state_exists(rank, world, data: dict):
+    """Two saves before the optimizer's first step (no Adam moments yet: steps whose update was
+    skipped), then a step and a save: the third must hold the moments, although Megatron
+    reuses the plans of earlier saves while the structure stays the same."""
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
+    from tests.support.rl_fixtures import rollout_batch
+
+    recipe = Recipe.model_validate(data)
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    ckpts = Checkpointer(Path(recipe.run.output_dir) / "checkpoints", policy)
+    ckpts.save(1, {})
+    ckpts.save(2, {})
+    GSPOTrainer(policy).step(rollout_batch(vocab=recipe.model.vocab_size))
+    inner = [
+        o.optimizer for o in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    ]
+    moments = [
+        {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+        for o in inner
+        for s in o.state.values()
+    ]
+    ckpts.save(3, {})
+    for o in inner:
+        for s in o.state.values():
+            for v in s.values():
+                if torch.is_tensor(v) and v.is_floating_point():
+                    v.add_(1.0)
+    ckpts.load(3)
+    loaded = [s for o in inner for s in o.state.values()]
+    worst = max(
+        float((loaded[i][k].float() - v.float()).abs().max())
+        for i, m in enumerate(moments)
+        for k, v in m.items()
+    )
+    return {"moments": sum(len(m) for m in moments), "worst": worst}
+
+
+def test_a_save_after_saves_without_adams_state_holds_the_moments(tmp_path):
+    (got,) = run_distributed(_saved_before_adams_state_exists, 1, _layout(tmp_path / "run"))
+    assert got["moments"] > 0 and got["worst"] == 0.0, got
+
+
+def _save_in_the_background(rank, world, data: dict):
+    """An asynchronous save while the weights go on changing: what is published later must be
+    the weights of the step saved."""
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.run.checkpoint import Checkpointer
+    from megatron_gspo.trainer.policy import Policy
+    from megatron_gspo.trainer.step import GSPOTrainer
+    from megatron_gspo.weights.manifest import HASHES_FILE
+    from tests.support.rl_fixtures import rollout_batch
+
+    recipe = Recipe.model_validate(data)
+    policy = Policy(recipe, init_parallel(recipe.parallel))
+    GSPOTrainer(policy).step(rollout_batch(vocab=recipe.model.vocab_size))
+    ckpts = Checkpointer(Path(recipe.run.output_dir) / "checkpoints", policy, async_save=True)
+    published_at_once = []
+    # Three saves: from the third on, Megatron reuses the first saves' plans and metadata.
+    for step in (1, 2, 3):
+        saved = {
+            k: v.detach().clone() for k, v in policy.model.state_dict().items() if v is not None
+        }
+        path = ckpts.save(step, {"marker": 7 * step})
+        with torch.no_grad():  # the loop trains on while the writer writes
+            for p in policy.model.parameters():
+                p.add_(1.0)
+        published_at_once.append(ckpts.latest_step())
+    ckpts.wait()
+    leftovers = [p.name for p in path.iterdir() if p.name.startswith(HASHES_FILE[:8])]
+    manifest = ckpts.verify(3)
+    state = ckpts.load(3, manifest=manifest)
+    loaded = policy.model.state_dict()
+    worst = max(
+        float((loaded[k].float() - v.float()).abs().max())
+        for k, v in saved.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+    return {
+        "published_at_once": published_at_once,
+        "latest": ckpts.latest_step(),
+        "leftovers": leftovers,
+        "hashed": len(manifest["files"]),
+        "files": sum(1 for p in path.rglob("*") if p.is_file()) - 1,
+        "marker": state.get("marker"),
+        "worst": worst,
+    }
+
+
+@pytest.mark.parametrize("layout", [{}, EP2], ids=["1rank", "ep2"])
+def test_an_asynchronous_save_holds_its_steps_weights_and_is_published_when_written(
+    tmp_path, layout
+):
+    world = 2 if layout else 1
+    out = run_distributed(_save_in_the_background, world, _layout(tmp_path / "run", **layout))
+    for got in out:
+        # A save due while one is in flight publishes that one first (1 before 2's hand-over).
+        assert got["published_at_once"] == [None, 1, 2], "latest flipped before its writers"
+        assert got["latest"] == 3 and got["marker"] == 21, got
+        assert got["leftovers"] == [] and got["hashed"] == got["files"], got
+        assert got["worst"] == 0.0, f"the checkpoint holds weights changed after its save: {got}"

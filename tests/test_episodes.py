@@ -278,8 +278,8 @@ def test_one_turn_credit_is_the_group_advantage():
 
 def _score(rank, world, recipe_data: dict, groups_json, prompt_list, reward_name=None):
     """Score given episodes on one rank (the Scorer broadcasts from rank 0)."""
-    from megatron_gspo.episodes.rewards import RewardComputer
     from megatron_gspo.episodes.scoring import Scorer
+    from megatron_gspo.rewards.computer import RewardComputer
 
     recipe = Recipe.model_validate(recipe_data)
     import torch.distributed as dist  # noqa: F401 - the process group exists (run_distributed)
@@ -381,12 +381,18 @@ class FakeServers:
     urls = ["http://a", "http://b"]
 
     def __init__(self, **policy) -> None:
+        from megatron_gspo.rollout.vllm.fleet import Fleet, Health
+
         self.generate, self.calls = copying_policy(**policy)
         self.busy = {url: 0 for url in self.urls}
         self.most = 0
-
-    def server_for(self, index: int) -> str:
-        return self.urls[index % len(self.urls)]
+        self.served: list[tuple[str, tuple]] = []  # (server, the prompt ids it was sent)
+        self.dead: set[str] = set()
+        self.fleet = Fleet(
+            self.urls,
+            lambda url, deadline: Health(None) if url in self.dead else Health(200, 7),
+            health_timeout_s=1,
+        )
 
     def session(self) -> _Session:
         return _Session()
@@ -394,8 +400,13 @@ class FakeServers:
     async def complete(self, http, url, prompt, params, seed):
         self.busy[url] += 1
         self.most = max(self.most, self.busy[url])
+        self.served.append((url, tuple(prompt)))
         await asyncio.sleep(0.01)
         self.busy[url] -= 1
+        if url in self.dead:
+            from megatron_gspo.rollout.vllm.errors import VLLMUnavailableError
+
+            raise VLLMUnavailableError(f"vLLM server {url} unavailable: ConnectError")
         return self.generate(RolloutRequest([prompt], replace(params, seed=seed))).completions[0]
 
 
@@ -420,6 +431,53 @@ def test_concurrent_episodes_follow_the_same_rules_and_bound_what_is_in_flight(r
     # Seeds: episode k samples turn t with episode_turn_seed(seed, t, k) = turn_seed(...) + k.
     seeds = sorted({c.params.seed for c in servers.calls})
     assert PARAMS.seed in seeds and PARAMS.seed + 7 in seeds
+
+
+def _recording(servers: FakeServers) -> dict[object, list[str]]:
+    """The server of each turn, by episode (the runner's session object for it)."""
+    sent: dict[object, list[str]] = {}
+    acquire = servers.fleet.acquire
+
+    def recording(session=None, seqs=1):
+        url = acquire(session, seqs)
+        if url is not None:
+            sent.setdefault(session, []).append(url)
+        return url
+
+    servers.fleet.acquire = recording
+    return sent
+
+
+def test_an_episodes_turns_stay_on_its_server_and_move_only_when_it_dies(relay):
+    from megatron_gspo.episodes.concurrent import ConcurrentRunner
+
+    def run(servers):
+        sent = _recording(servers)
+        versions = {url: 7 for url in servers.urls}
+        runner = ConcurrentRunner(servers, lambda: versions, setup(relay), max_inflight=2)
+        return runner.run(prompts(4), PARAMS), sent
+
+    healthy, sent = run(FakeServers())
+    assert len(sent) == 8 and all(len(urls) == 3 for urls in sent.values())
+    assert all(len(set(urls)) == 1 for urls in sent.values()), "an episode changed server"
+    assert {urls[0] for urls in sent.values()} == {"http://a", "http://b"}, "not spread"
+
+    servers = FakeServers()
+    original = servers.complete
+
+    async def dies_after_its_first_turns(http, url, prompt, params, seed):
+        if url == "http://b" and sum(u == url for u, _ in servers.served) >= 4:
+            servers.dead.add(url)  # killed: it refuses from here on
+        return await original(http, url, prompt, params, seed)
+
+    servers.complete = dies_after_its_first_turns
+    moved, sent = run(servers)
+    for got, want in zip(sum(moved, []), sum(healthy, []), strict=True):
+        assert (got.token_ids, got.mask, got.end) == (want.token_ids, want.mask, want.end)
+    from_b = [urls for urls in sent.values() if urls[0] == "http://b"]
+    assert from_b and all(urls[-1] == "http://a" for urls in from_b), sent
+    assert all(len(set(urls)) == 1 for urls in sent.values() if urls[0] == "http://a")
+    assert servers.fleet.take_metrics()["fleet_failovers"] >= len(from_b)
 
 
 def test_concurrent_episodes_end_alone_on_a_failing_environment():

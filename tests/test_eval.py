@@ -58,6 +58,8 @@ def test_keep_best_keeps_the_best_eval_checkpoint(tmp_path):
     kept = sorted(p.name for p in ckpts.glob("iter_*"))
     # keep_checkpoints 1: the latest, and the best where it is another step.
     assert kept == sorted({f"iter_{best:07d}", "iter_0000005"}), kept
+    # The pruned ones were deleted in the background, and gone by the run's end.
+    assert not list(ckpts.glob(".iter_*")), list(ckpts.glob(".iter_*"))
     state = json.loads((ckpts / "iter_0000005" / "trainer_state.json").read_text())
     assert state["eval_best"]["step"] == best
 

@@ -149,15 +149,20 @@ def test_kill_9_of_the_trainer_leaves_no_helper_process_behind(tmp_path):
     assert not _session_processes(proc.pid), "\n".join(_session_processes(proc.pid))
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly(tmp_path, seed):
-    """SIGKILL (of the whole process group, mid-step or mid-save) over several rounds until
+@pytest.mark.parametrize(
+    "seed, async_save", [(0, False), (1, True)], ids=["synchronous", "asynchronous"]
+)
+def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly(
+    tmp_path, seed, async_save
+):
+    """SIGKILL (of the whole process group, mid-step or mid-save: with run.async_save, while
+    the background writer writes or hashes under a training step) over several rounds until
     the run completes: the checkpoint never goes back, and the result equals a run never
     interrupted."""
     total = 10
     straight = tmp_path / "straight"
     interrupted = tmp_path / "interrupted"
-    common = {**QUIET, "checkpoint_every": 1, "keep_checkpoints": 2}
+    common = {**QUIET, "checkpoint_every": 1, "keep_checkpoints": 2, "async_save": async_save}
     r_straight = write_recipe(tmp_path, loop_recipe(straight, run=common), "straight.yaml")
     r_killed = write_recipe(tmp_path, loop_recipe(interrupted, run=common), "killed.yaml")
     assert cli("train", str(r_straight), "--steps", str(total)).returncode == 0
@@ -195,3 +200,43 @@ def test_killing_the_trainer_at_random_moments_loses_no_step_and_resumes_exactly
     assert [r["step"] for r in b] == list(range(1, total + 1))
     for ra, rb in zip(a, b, strict=True):
         assert comparable(ra) == comparable(rb), f"step {ra['step']} differs after the kills"
+
+
+KILL_POINTS = ["writing", "hashing", "publish", "renamed", "pruning"]
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_trainer_killed_at_any_point_of_an_asynchronous_save_resumes_exactly(tmp_path, point):
+    """SIGKILL of the trainer at one point of the background save of step 3 (inside the
+    writer, before the manifest, between the rename and the flip of ``latest``, in the middle
+    of pruning an older one): ``latest`` names a checkpoint that verifies, the debris goes,
+    and the restarted run trains exactly what an uninterrupted one does."""
+    import sys
+
+    from megatron_gspo.run.checkpoint_files import debris
+    from megatron_gspo.weights.manifest import verify_checkpoint
+
+    total = 5
+    common = {**QUIET, "checkpoint_every": 1, "keep_checkpoints": 2, "async_save": True}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r_straight = write_recipe(tmp_path, loop_recipe(straight, run=common), "straight.yaml")
+    r_killed = write_recipe(tmp_path, loop_recipe(killed, run=common), "killed.yaml")
+    assert cli("train", str(r_straight), "--steps", str(total)).returncode == 0
+    env = {**os.environ, "KILL_AT": point, "KILL_AT_STEP": "3"}
+    cmd = [sys.executable, "-m", "tests.support.kill_points", "train", str(r_killed)]
+    first = subprocess.run([*cmd, "--steps", str(total)], env=env, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert first.returncode == -signal.SIGKILL, (first.returncode, first.stdout[-2000:])
+    ckpts = killed / "checkpoints"
+    latest = int((ckpts / "latest").read_text())
+    assert latest == (3 if point == "pruning" else 2), f"{point}: latest is {latest}"
+    verify_checkpoint(ckpts / f"iter_{latest:07d}")
+    again = cli("train", str(r_killed), "--steps", str(total))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not debris(ckpts), f"the killed save left {debris(ckpts)} behind"
+    a, b = run_metrics(straight), run_metrics(killed)
+    assert [r["step"] for r in b] == list(range(1, total + 1))
+    for ra, rb in zip(a, b, strict=True):
+        assert comparable(ra) == comparable(rb), f"step {ra['step']} differs after the kill"
+    for step in sorted(int(p.name[5:]) for p in ckpts.glob("iter_*")):
+        verify_checkpoint(ckpts / f"iter_{step:07d}")

@@ -283,7 +283,7 @@ def test_the_weight_sync_into_a_gpu_vllm_server_goes_over_vllms_nccl_engine(tmp_
     syncs from the trainer: the server samples what the trainer does and reports its
     version."""
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.rollout.vllm.client import wait_until_healthy
+    from megatron_gspo.rollout.vllm.http_client import wait_until_healthy
     from tests.support.vllm_checks import check_sync
     from tests.support.vllm_tiny import VLLM_TINY_MOE, VLLMServer, write_tiny_model
 

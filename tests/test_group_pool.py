@@ -155,6 +155,7 @@ def test_a_checkpoint_holds_the_groups_in_flight_finished_and_resumes_them_exact
     assert saved["pending"] and saved["next_step"] > 3
 
     later = _HeldGroups(release_all=True)
+    later.version = 1  # the engine holds what the run last synced
     again = _pool(later, next_step=2)
     try:
         again.restore(saved)
@@ -189,6 +190,109 @@ def test_a_whole_batch_checkpoint_resumes_as_its_groups_and_not_the_other_way():
     queue = RolloutPipeline(None, _draw, max_staleness=1, next_step=5)
     with pytest.raises(InputError, match="groups_in_flight"):
         queue.restore(saved)
+
+
+def _stale_groups_state(pending_step: int) -> dict:
+    """A checkpoint of a pool of 4 whose two carried groups were sampled by version 0, with the
+    next step's prompts drawn and not started."""
+    old = Completion([9], [-1.0], "stop", token_versions=[0])
+    old.stamp(0)
+    groups = [
+        {"step": 2, "index": i, "prompt": {"text": f"2.{i}", "answer": "", "token_ids": [2, i]},
+         "episodes": [Episode.from_completion(old).to_json()], "stats": {}}
+        for i in range(2)
+    ]  # fmt: skip
+    pending = [
+        {"step": pending_step, "index": i, "prompt": {"text": "", "answer": "",
+         "token_ids": [pending_step, i]}, "episodes": [], "stats": {}}
+        for i in range(2)
+    ]  # fmt: skip
+    return {"groups": groups, "pending": pending, "next_step": pending_step + 1}
+
+
+@pytest.mark.timeout(60)
+def test_stale_groups_resumed_into_a_smaller_pool_are_dropped_and_the_pending_prompts_started():
+    groups = _HeldGroups(release_all=True)
+    groups.version = 2
+    pool = GroupPool(groups, _draw, per_step=2, groups_in_flight=2, max_staleness=1, next_step=3)
+    try:
+        pool.restore(json.loads(json.dumps(_stale_groups_state(pending_step=3))))
+        pool.resume(version=2)  # the carried groups fill the pool: nothing starts yet
+        batch = pool.take(3, current_version=2)
+        assert _keys(batch) == [(3, 0), (3, 1)], "the pending prompts did not start"
+        assert pool.dropped == 2
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_whose_versions_stop_advancing_fails_the_take_naming_it():
+    groups = _HeldGroups(release_all=True)  # stays at version 0 whatever the syncs say
+    pool = _pool(groups)
+    try:
+        pool.resume(version=0)
+        pool.take(1, current_version=0)
+        pool.resume(version=1)  # groups started from here on come back labelled 0
+        with pytest.raises(RuntimeError, match="versions do not advance with the syncs"):
+            for step in range(2, 8):
+                pool.take(step, current_version=step - 1)
+                pool.resume(version=step)
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_take_that_no_group_can_serve_gives_up_at_its_deadline():
+    groups = _HeldGroups()  # never released: the engine hangs
+    pool = GroupPool(
+        groups, _draw, per_step=2, groups_in_flight=4, max_staleness=1, next_step=1,
+        wait_timeout_s=0.5,
+    )  # fmt: skip
+    try:
+        pool.resume(version=0)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no group step 1 can train on finished within"):
+            pool.take(1, current_version=0)
+        assert time.monotonic() - start < 5
+        with pytest.raises(RuntimeError, match="none is running"):
+            held = _pool(None)
+            held.take(1, current_version=0)  # resume() never called
+    finally:
+        groups.open_all()
+        pool.close()
+
+
+def _pool_failing_on_rank0(rank: int, world: int, when: str) -> str:
+    """A group fails on rank 0; the checkpoint (state) or the step (take) must end every rank
+    with its error, not leave rank 1 waiting in a collective."""
+    import torch.distributed as dist
+
+    def fail(step, index, prompt):
+        raise SystemExit("a user function called sys.exit() in a group thread")
+
+    pool = _pool(fail)
+    try:
+        pool.resume(version=0)
+        if rank == 0:
+            assert eventually(lambda: pool._error is not None)
+        dist.barrier()
+        if when == "state":
+            pool.state()
+        else:
+            pool.take(1, current_version=0)
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pool._pool and pool._pool.shutdown(wait=False)
+    return "no error"
+
+
+@pytest.mark.parametrize("when", ["state", "take"])
+def test_a_failed_group_on_rank_0_reaches_every_rank(when):
+    from tests.support.ranks import run_distributed
+
+    got = run_distributed(_pool_failing_on_rank0, 2, when, timeout=60)
+    assert all("sys.exit() in a group thread" in g for g in got), got
 
 
 def test_the_recipe_wants_at_least_a_steps_groups_in_flight():

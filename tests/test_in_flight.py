@@ -217,10 +217,11 @@ def test_in_flight_the_queue_syncs_under_a_batch_and_starts_the_next_beside_it()
         queue.resume(version=1)  # batch 3 may start now: trained at step 3, lag 1
         assert eventually(lambda: (3, 1) in rollout.started), "batch 3 waited for batch 2"
         assert len(rollout.started) == 3, "a batch beyond the staleness bound started"
-        rollout.release[2].set()
+        queue.waited()  # from here: the wait for batch 2 alone
+        threading.Timer(0.3, rollout.release[2].set).start()
         [[episode]] = queue.take(2, current_version=1).episodes
         assert episode.token_versions == [0, 1] and episode.spans_versions
-        assert queue.waited() >= 0
+        assert queue.waited() >= 0.25, "the trainer's wait for batch 2 was not counted"
     finally:
         for event in rollout.release.values():
             event.set()
@@ -284,8 +285,8 @@ def test_drained_the_queue_waits_for_generation_before_the_sync():
 
 def test_generation_waits_for_a_sync_under_way_until_its_deadline():
     from megatron_gspo.config import ModelConfig, VLLMConfig
-    from megatron_gspo.rollout.vllm.client import VLLMRequestError
     from megatron_gspo.rollout.vllm.engine import VLLMEngine
+    from megatron_gspo.rollout.vllm.errors import VLLMRequestError
 
     engine = VLLMEngine(
         VLLMConfig(urls=["http://127.0.0.1:9"], sync_timeout_s=0.3),
@@ -309,23 +310,33 @@ def test_generation_waits_for_a_sync_under_way_until_its_deadline():
 
 
 class _RecordingServers:
-    """The routes a sync walks, recorded in order (no server)."""
+    """The routes a sync walks, recorded in order (no server); ``/weight_info`` reports the
+    version the last finished update named."""
 
     urls = ["http://server"]
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.held = [], None
+
+    def versions(self):
+        return {self.urls[0]: self.held}
+
+    def finish_weight_update(self, version):
+        self.held = int(version)
+        self.calls.append(("finish_weight_update", (version,), {}))
 
     def __getattr__(self, route):
         return lambda *args, **kwargs: self.calls.append((route, args, kwargs))
 
 
 class _NoBytes:
+    connects = 0
+
     def connect(self, servers):
-        pass
+        self.connects += 1
 
     def send(self, servers, tensors, version):
-        from megatron_gspo.rollout.vllm.sync import SyncReport
+        from megatron_gspo.rollout.vllm.weight_sync import SyncReport
 
         return SyncReport(version)
 
@@ -335,7 +346,7 @@ def test_a_first_sync_clears_the_prefix_cache_and_keep_keeps_it_after(mode):
     """A keep sync leaves the cache (the frozen requests go on over it), but an engine's first
     sync clears it: a server that outlives a run holds that run's blocks under the salts the
     next run reuses (``weights-0``, ...), computed by other weights."""
-    from megatron_gspo.rollout.vllm.sync import WeightSync
+    from megatron_gspo.rollout.vllm.weight_sync import WeightSync
 
     servers = _RecordingServers()
     sync = WeightSync(servers, _NoBytes(), in_flight=mode)
@@ -344,3 +355,156 @@ def test_a_first_sync_clears_the_prefix_cache_and_keep_keeps_it_after(mode):
     pauses = [(args[0], kwargs["clear_cache"]) for r, args, kwargs in servers.calls if r == "pause"]
     paused = WeightSync.PAUSE_MODES[mode]
     assert pauses == [(paused, True), (paused, mode != "keep"), (paused, mode != "keep")]
+
+
+def test_a_server_that_changed_hands_gets_its_transfer_group_formed_again():
+    """Another trainer's sync (a requeued job on the disk path re-initialises the engine, which
+    drops the group) or a restart leaves the servers on another version than this driver's
+    last sync: the next sync forms the group again before sending, instead of broadcasting
+    into a group no worker holds any more."""
+    from megatron_gspo.rollout.vllm.weight_sync import WeightSync
+
+    servers, transport = _RecordingServers(), _NoBytes()
+    sync = WeightSync(servers, transport)
+    sync.push(iter(()), 1)
+    sync.push(iter(()), 2)
+    assert transport.connects == 1, "the group was formed again for no reason"
+    servers.held = 7  # someone else synced version 7
+    sync.push(iter(()), 3)
+    assert transport.connects == 2
+    servers.held = None  # the server restarted on its checkpoint
+    sync.push(iter(()), 4)
+    assert transport.connects == 3 and servers.held == 4
+
+
+# -- the token route's answers (rollout/vllm/in_flight.py), without a server -------------------
+
+
+def _choice(ids, spans, reason="stop", logprobs=None, index=0):
+    logprobs = logprobs if logprobs is not None else [-0.25] * len(ids)
+    return {
+        "index": index,
+        "token_ids": ids,
+        "logprobs": {"content": [{"logprob": lp} for lp in logprobs]},
+        "weight_versions": [{"start": a, "end": b, "version": v} for a, b, v in spans],
+        "finish_reason": reason,
+    }
+
+
+def test_a_choices_version_spans_label_each_token():
+    from megatron_gspo.rollout.vllm.in_flight import parse_choice
+
+    c = parse_choice(
+        "u", _choice([5, 6, 7, 8, 9], [(0, 2, "3"), (2, 5, "4")], logprobs=[-1, None, -2, -3, -4])
+    )
+    assert c.token_versions == [3, 3, 4, 4, 4]
+    assert c.logprobs[1] == float("-inf") and c.logprobs[0] == -1.0  # vLLM's None is -inf
+    started_with = parse_choice("u", _choice([5, 6], [(0, 2, "default")]))
+    assert started_with.token_versions == [-1, -1], "the server's own checkpoint is version -1"
+    assert parse_choice("u", _choice([], [], reason="length")).token_versions == []
+
+
+@pytest.mark.parametrize(
+    "choice, says",
+    [
+        (_choice([5, 6], [(0, 1, "3"), (1, 2, "partial")]), "half-finished sync"),
+        (_choice([5, 6], []), "weight_versions"),
+        ({**_choice([5, 6], [(0, 2, "3")]), "logprobs": {"content": [{"logprob": -1}]}}, "no"),
+        (_choice([5, 6], [(0, 2, "3")], reason="cancelled"), "finish_reason"),
+    ],
+)
+def test_a_malformed_or_half_synced_choice_is_refused_by_name(choice, says):
+    from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+    from megatron_gspo.rollout.vllm.in_flight import parse_choice
+
+    with pytest.raises(VLLMRequestError, match=says):
+        parse_choice("http://server:1", choice)
+
+
+def test_a_resubmitted_samples_parts_join_with_their_own_routes():
+    import numpy as np
+
+    from megatron_gspo.rollout.vllm.in_flight import _join
+
+    first = Completion([1, 2], [-0.1, -0.2], "abort", token_versions=[3, 3])
+    first.routes = np.full((4, 1, 2), 7)  # prompt of 3 + 2 tokens - 1 rows
+    rest = Completion([4], [-0.4], "stop", token_versions=[4])
+    rest.routes = np.concatenate([np.full((4, 1, 2), 9), np.full((1, 1, 2), 5)])
+    joined = _join(first, rest)
+    assert joined.token_ids == [1, 2, 4] and joined.logprobs == [-0.1, -0.2, -0.4]
+    assert joined.token_versions == [3, 3, 4] and joined.finish_reason == "stop"
+    # The first part's rows come from the forward that sampled them, not the resubmission's.
+    assert joined.routes[:, 0, 0].tolist() == [7, 7, 7, 7, 5]
+
+
+class _ScriptedClient:
+    """What complete_versioned asks of the HTTP client: answers in the order given, and every
+    request it made."""
+
+    model = None
+    version = 4
+
+    def __init__(self, answers, in_flight="resubmit"):
+        self.answers, self.requests, self.in_flight = list(answers), [], in_flight
+        self.waits = 0
+
+    def weights_version(self):
+        return self.version
+
+    def wait_for_weights(self):
+        self.waits += 1
+
+    async def _post(self, http, url, path, body):
+        self.requests.append((path, body))
+        return self.answers.pop(0)
+
+
+def _complete(client, prompt, params, seed=11):
+    import asyncio
+
+    from megatron_gspo.rollout.vllm.in_flight import complete_versioned
+
+    return asyncio.run(complete_versioned(client, None, "u", prompt, params, seed))
+
+
+def test_an_aborted_sample_is_resubmitted_with_its_tokens_and_the_budget_left():
+    from megatron_gspo.rollout.protocol import SamplingParams
+    from megatron_gspo.runtime.seeds import resubmit_seed
+
+    params = SamplingParams(group_size=2, max_new_tokens=5, min_new_tokens=3, stop_token_ids=[0])
+    client = _ScriptedClient(
+        [
+            {
+                "choices": [
+                    _choice([9, 9, 9, 0], [(0, 4, "3")], index=0),
+                    _choice([7, 8], [(0, 2, "3")], reason="abort", index=1),
+                ]
+            },
+            {"choices": [_choice([6, 0], [(0, 2, "4")])]},
+        ]  # fmt: skip
+    )
+    done, resumed = _complete(client, [1, 2, 3], params)
+    assert done.token_ids == [9, 9, 9, 0] and done.token_versions == [3, 3, 3, 3]
+    assert resumed.token_ids == [7, 8, 6, 0] and resumed.token_versions == [3, 3, 4, 4]
+    assert resumed.finish_reason == "stop" and client.waits == 1
+    (_, first), (_, again) = client.requests
+    assert first["token_ids"] == [1, 2, 3] and first["cache_salt"] == "weights-4"
+    assert again["token_ids"] == [1, 2, 3, 7, 8], "not sent again as prompt + its tokens"
+    sampling = again["sampling_params"]
+    assert sampling["n"] == 1 and sampling["max_tokens"] == 3 and sampling["min_tokens"] == 1
+    assert sampling["seed"] == resubmit_seed(11, 1, 1)
+
+
+def test_an_abort_on_the_last_token_ends_by_length_and_keep_refuses_aborts():
+    from megatron_gspo.rollout.protocol import SamplingParams
+    from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+
+    params = SamplingParams(group_size=1, max_new_tokens=2, stop_token_ids=[0])
+    client = _ScriptedClient([{"choices": [_choice([7, 8], [(0, 2, "3")], reason="abort")]}])
+    [c] = _complete(client, [1], params)
+    assert c.finish_reason == "length" and len(client.requests) == 1, "the budget was spent"
+    keep = _ScriptedClient(
+        [{"choices": [_choice([7], [(0, 1, "3")], reason="abort")]}], in_flight="keep"
+    )
+    with pytest.raises(VLLMRequestError, match="aborted a request in flight"):
+        _complete(keep, [1], params)

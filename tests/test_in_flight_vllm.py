@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.protocol import RolloutRequest, SamplingParams
-from megatron_gspo.rollout.vllm.client import VLLMClient, VLLMRequestError
+from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+from megatron_gspo.rollout.vllm.http_client import VLLMClient
 from tests.support.vllm_checks import (
     LOGPROB_ATOL,
     requires_vllm,
@@ -83,8 +84,8 @@ def server(models, tmp_path_factory, request):
 
 
 def _update(servers, model_dir: Path, version: int, mode: str) -> None:
-    """What a sync does around its bytes (rollout/vllm/sync.py), the bytes a checkpoint."""
-    servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/sync.py pauses
+    """What a sync does around its bytes (rollout/vllm/weight_sync.py), the bytes a checkpoint."""
+    servers.pause(mode, clear_cache=mode != "keep")  # as rollout/vllm/weight_sync.py pauses
     servers.set_version("partial")
     servers.start_weight_update()
     servers.update_weights({"path": str(model_dir)})
@@ -231,7 +232,7 @@ def test_a_request_across_an_update_says_which_weights_sampled_each_token(server
 def test_a_failed_sync_ends_frozen_requests_instead_of_leaving_them_paused(server, models):
     """keep: the sync fails after the pause (its bytes never arrive); the requests it froze
     end at once with an error naming the abort, and the server answers again after a sync."""
-    from megatron_gspo.rollout.vllm.sync import WeightSync, WeightSyncError
+    from megatron_gspo.rollout.vllm.weight_sync import WeightSync, WeightSyncError
 
     class Broken:
         sending = "the first bucket"

@@ -107,7 +107,7 @@ def _run(tmp_path: Path, perturb: str, steps: int, **rollout) -> subprocess.Comp
     data = loop_recipe(
         tmp_path / "run",
         rollout={"local_worker": True, **rollout},
-        run={"plot_every": 0, "tensorboard": False},
+        run={"plot_every": 0, "tensorboard": False, "checkpoint_every": 1},
     )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
@@ -124,6 +124,10 @@ def _run(tmp_path: Path, perturb: str, steps: int, **rollout) -> subprocess.Comp
 
 @pytest.mark.slow
 def test_a_sampler_with_perturbed_weights_stops_the_run_with_one_line(tmp_path):
+    """Stopped at its second bad step even across a resume between the two: the streak is in
+    the checkpoint."""
+    first = _run(tmp_path, perturb="all", steps=1, max_rollout_kl_steps=2)
+    assert first.returncode == 0, first.stderr[-3000:]
     proc = _run(tmp_path, perturb="all", steps=5, max_rollout_kl_steps=2)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -184,3 +188,23 @@ def test_an_honest_off_policy_sampler_measures_no_error_beside_the_drift(tmp_pat
         assert r["rollout_sampler_kl_tokens"] >= probe, r
     drift = max(r["rollout_kl_k3"] for r in records[1:])
     assert drift > 100 * max(r["rollout_sampler_kl"] for r in records[1:]), records
+
+
+def test_the_streak_survives_a_checkpoint_so_frequent_resumes_still_stop_a_run():
+    """Requeued every 2 steps with a limit of 3: without the saved streak no segment of the run
+    ever sees 3 bad steps in a row."""
+    import json
+
+    saved: list = []
+    for segment in range(3):
+        guard = _guard(steps=3)
+        guard.restore(json.loads(json.dumps(saved)))  # as trainer_state.json holds it
+        try:
+            for step in (2 * segment + 1, 2 * segment + 2):
+                guard.check(step, {METRIC: math.inf if step == 2 else 0.3, "rollout_kl_k3": 0.6})
+        except RolloutMismatchError as e:
+            assert "step 1: 0.3, step 2: inf, step 3: 0.3" in str(e), str(e)
+            assert segment == 1
+            return
+        saved = guard.state()
+    pytest.fail("a run resumed every 2 steps was never stopped")

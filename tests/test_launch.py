@@ -212,6 +212,24 @@ def test_dry_run_prints_the_command_and_environment():
     assert "VLLM_API_KEY=<job key>" in rollout.output and "s3cret" not in rollout.output
 
 
+def test_a_cpu_rollout_node_serves_the_recipes_shape_with_vllm_cpus_arguments(tmp_path):
+    """slurm/cpu_vllm.sbatch's rollout node: no GPU, no checkpoint to serve."""
+    recipe = str(REPO / "recipes" / "tiny-multi-turn-vllm.yaml")
+    env = {**_env("cpu[01-03]", "cpu03", MEGATRON_GSPO_VLLM_KEY="k" * 64)}
+    del env["SLURM_GPUS_ON_NODE"]
+    args = [recipe, "--rollout-nodes", "2", "--role", "rollout", "--dry-run"]
+    missing = CliRunner().invoke(launch, args, env=env)
+    assert missing.exit_code != 0 and "--vllm-model-from-recipe" in missing.output
+    served = tmp_path / "served"
+    result = CliRunner().invoke(launch, [*args, "--vllm-model-from-recipe", str(served)], env=env)
+    assert result.exit_code == 0, result.output
+    assert f"--model {served / 'cpu03'} --host cpu03 --port 8000" in result.output
+    for arg in ["--dtype float32", "--enforce-eager", "--max-model-len 64"]:
+        assert arg in result.output, result.output
+    assert "--dtype bfloat16" not in result.output
+    assert not served.exists(), "a dry run wrote the model"
+
+
 def test_reward_nodes_serve_the_recipes_judge_and_the_trainer_gets_their_urls(tmp_path):
     env = _env("gpu[01-07]", "gpu01", MEGATRON_GSPO_VLLM_KEY="s3cret")
     args = [JUDGE, "--rollout-nodes", "2", "--reward-nodes", "1", "--dry-run"]

@@ -27,7 +27,7 @@ RECIPE = ROOT / "recipes" / "tiny-multi-turn-vllm.yaml"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from megatron_gspo.rollout.vllm.local_server import (
+    from megatron_gspo.rollout.vllm.single_node import (
         cpu_serving_args,
         served,
         write_served_model,
@@ -141,11 +141,14 @@ IN_FLIGHT_GROUPS = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 40 steps of learning, 5-13 min each on CI's 2 busy cores
 @requires_vllm
 @pytest.mark.parametrize(
     "sections",
-    [{}, IN_FLIGHT, IN_FLIGHT_GROUPS],
-    ids=["on-policy", "in-flight-keep", "in-flight-groups"],
+    # The longest first: CI's slow tier hands this file's worker another file when two of its
+    # tests are left, and the rest of the file then runs ahead of that one.
+    [IN_FLIGHT_GROUPS, IN_FLIGHT, {}],
+    ids=["in-flight-groups", "in-flight-keep", "on-policy"],
 )
 def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, sections):
     """Through the CLI, as a user runs it against tools/serve_vllm.py's server."""
@@ -154,7 +157,10 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, sections):
     data = _recipe(tmp_path / "run", run={"checkpoint_every": 100}, **sections)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
-    steps = 60
+    # 40 steps: in six runs of the three variants (two CI runs) the median reward of steps
+    # 31-40 was 0.101 to 0.122 above the first five steps' (0.15 to 0.18 at 45, 0.27 to 0.34
+    # at 60); 60 steps cost CI 27 min of its slow tier.
+    steps = 40
     env = {**os.environ, "MEGATRON_GSPO_VLLM_URLS": url, "MEGATRON_GSPO_VLLM_KEY": key}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_gspo.cli", "train", str(path), "--steps", str(steps)],
@@ -170,7 +176,7 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, sections):
     print(f"reward {first:.3f} -> {last:.3f}; turns {records[-1]['turns_mean']:.2f}")
     assert all(r["turns_mean"] >= 1 and r["model_token_fraction"] <= 1 for r in records)
     assert records[-1]["episodes_in_flight_max"] > 1
-    assert last > first + 0.15, f"no learning: reward {first:.3f} -> {last:.3f}"
+    assert last > first + 0.06, f"no learning: reward {first:.3f} -> {last:.3f}"
     if in_flight:
         # Whether a sync lands under an episode is timing: where generation outruns the
         # training step (CI saw it on every step of a run) the next batch is done before the
@@ -184,7 +190,7 @@ def test_the_vllm_multi_turn_recipe_learns(server, tmp_path, sections):
             carried = sum(r["rollout_groups_carried"] for r in records) / len(records)
             print(f"groups dropped {dropped:.0f}; carried to the next step {carried:.1f} a step")
     # vLLM's own record of the weights it holds: the trainer's version after the last step.
-    from megatron_gspo.rollout.vllm.routes import Servers
+    from megatron_gspo.rollout.vllm.rl_api import Servers
 
     assert Servers(VLLMClient([url], api_key=key), timeout_s=30).versions() == {url: steps}
 
@@ -202,7 +208,7 @@ def test_sigterm_during_an_in_flight_sync_exits_75_and_resumes_the_batch_it_span
     import signal
     import time
 
-    from megatron_gspo.rollout.vllm.routes import Servers
+    from megatron_gspo.rollout.vllm.rl_api import Servers
 
     url, key = server
     run = tmp_path / "run"

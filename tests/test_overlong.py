@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gspo.episodes.rewards import overlong_penalty
+from megatron_gspo.rewards.functions import overlong_penalty
 from tests.support.ranks import run_distributed
 from tests.support.runs import loop_recipe
 
@@ -21,9 +21,9 @@ def _score(rank, world, data: dict):
     from megatron_gspo.config import Recipe
     from megatron_gspo.data.prompts import PromptStream
     from megatron_gspo.episodes.episode import single_turn
-    from megatron_gspo.episodes.rewards import RewardComputer
     from megatron_gspo.episodes.scoring import Scorer
     from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rewards.computer import RewardComputer
     from megatron_gspo.rollout.protocol import Completion, RolloutResult
 
     recipe = Recipe.model_validate(data)

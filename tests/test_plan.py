@@ -98,6 +98,18 @@ def test_30b_a3b_weights_and_optimizer_per_gpu_on_h200(nodes):
     assert p.fits, p.table()
 
 
+def test_an_asynchronous_saves_host_copy_is_counted_per_node_and_warned_of():
+    """Megatron copies each GPU's weights and optimizer shard to host memory before an
+    asynchronous save writes them: a node holds its 8 GPUs' copies at once."""
+    p = plan_memory(load_recipe(MOE), nodes=4, gpus_per_node=8, gpu="h200")
+    per_gpu = _row(p, "weights") + _row(p, "optimizer")
+    _close(p.host_async, 8 * per_gpu, "host copy of an async save")
+    assert "host, async save (per node)" in p.table()
+    assert not any("asynchronous save" in n for n in p.notes), p.notes
+    small = plan_memory(load_recipe(MOE), nodes=4, gpus_per_node=8, gpu="h200", node_ram_gib=128)
+    assert any("asynchronous save" in n and "128 GiB" in n for n in small.notes), small.notes
+
+
 def test_8b_weights_and_optimizer_per_gpu_on_one_h100_node():
     h, layers = 4096, 36
     attn = h * 32 * 128 + 2 * h * 8 * 128 + 32 * 128 * h

@@ -57,8 +57,9 @@ def _engine_fails_on_rank0(rank: int, world: int, which: str) -> tuple[str, floa
     else:
         from megatron_gspo.rollout.vllm import VLLMEngine
 
-        # Nothing listens there: rank 0's client fails at once, with no retries.
-        config = VLLMConfig(urls=["http://127.0.0.1:9"], max_retries=0)
+        # Nothing listens there: rank 0's client fails at once, with no retries, and the
+        # fleet gives the server a second to come back.
+        config = VLLMConfig(urls=["http://127.0.0.1:9"], max_retries=0, health_timeout_s=1)
         engine = VLLMEngine(config, TINY_MOE, model, api_key="k")
     # An id past the vocabulary: the worker's embedding raises.
     request = RolloutRequest([[1, 2, 10_000]], SamplingParams(group_size=2, max_new_tokens=2))

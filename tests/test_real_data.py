@@ -9,7 +9,7 @@ import pytest
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.data.prompts import DataError, PromptStream
-from megatron_gspo.episodes.rewards import math_answer
+from megatron_gspo.rewards.functions import math_answer
 from tests.support.qwen_style import make_gsm8k_parquet, make_tokenizer_dir
 from tests.support.ranks import run_distributed
 from tests.support.runs import loop_recipe, run_metrics, train_run

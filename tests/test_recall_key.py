@@ -8,7 +8,7 @@ import torch
 
 from megatron_gspo.data.tasks import SyntheticTask
 from megatron_gspo.episodes.environment import resolve_environment
-from megatron_gspo.episodes.recall import RecallKey, asked_key, named_key
+from megatron_gspo.episodes.task_envs import RecallKey, asked_key, named_key
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.runtime.errors import InputError
 

@@ -13,15 +13,15 @@ import pytest
 
 from megatron_gspo.config import DataConfig, RewardConfig
 from megatron_gspo.data.prompts import DataError, PromptStream
-from megatron_gspo.episodes.rewards import (
-    RewardComputer,
+from megatron_gspo.rewards.computer import RewardComputer
+from megatron_gspo.rewards.functions import (
     digit_match,
     exact_match,
     extract_answer,
     math_answer,
     resolve_reward,
-    reward_value,
 )
+from megatron_gspo.rewards.value import reward_value
 from tests.support.data import train_sentencepiece
 
 
@@ -251,7 +251,7 @@ MATH_CASES = [
 @pytest.mark.parametrize("path", ["math-verify", "built-in"])
 @pytest.mark.parametrize("response,answer,expected", MATH_CASES)
 def test_math_reward_on_real_looking_answers(monkeypatch, path, response, answer, expected):
-    from megatron_gspo.episodes import rewards
+    from megatron_gspo.rewards import functions as rewards
 
     if path == "math-verify":
         pytest.importorskip("math_verify")

@@ -32,7 +32,7 @@ from megatron_gspo.rollout.vllm import (
     VLLMUnavailableError,
     wait_until_healthy,
 )
-from megatron_gspo.rollout.vllm.routes import Servers
+from megatron_gspo.rollout.vllm.rl_api import Servers
 from tests.support.ranks import run_distributed
 from tests.support.runs import loop_recipe, run_metrics
 from tests.support.vllm_checks import (
@@ -105,6 +105,27 @@ def test_groups_of_samples_with_exact_ids_and_the_policys_logprobs(moe_server, m
             worst = max(worst, diff)
     print(f"max |vLLM - transformers| token log-prob: {worst:.2e}")
     assert worst < LOGPROB_ATOL, f"vLLM log-probs differ from the HF forward by {worst:.2e}"
+
+
+@requires_vllm
+def test_a_cpu_servers_worker_runs_below_the_trainers_priority_its_front_end_does_not(moe_server):
+    """Its busy-polling takes only CPU the trainer leaves; its API server and engine core keep
+    the priority that answers health probes (server_command.lower_worker_priority)."""
+    import os
+
+    import psutil
+
+    from megatron_gspo.rollout.vllm.server_command import CPU_WORKER_NICE
+
+    server = psutil.Process(moe_server.proc.pid)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    want = {}
+    for p in [server, *server.children(recursive=True)]:
+        lowered = p.name().startswith("VLLM::Worker")
+        want.update({t.id: mine + CPU_WORKER_NICE * lowered for t in p.threads()})
+    assert len(want) > 3 and len(set(want.values())) == 2, want
+    got = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in want}
+    assert got == want
 
 
 @requires_vllm
@@ -229,7 +250,7 @@ RL_ROUTES = [
 def test_the_servers_routes_need_the_job_key(moe_server):
     """Without the key (or with another) every route is refused and nothing changes: the
     server is not paused, its weights version and its weights' checksums are what they were."""
-    from megatron_gspo.rollout.vllm.client import _http
+    from megatron_gspo.rollout.vllm.http_client import _http
 
     url = moe_server.url
     s = servers_of(moe_server)
@@ -325,6 +346,61 @@ def test_a_sync_interrupted_half_way_leaves_the_server_refusing_until_a_complete
     assert out["samples"] == out["trainer"] and out["stamped"] == {3}
 
 
+def _engines_take_turns(rank, world, cfg, url, key, sync_dir):
+    """A collective and a disk engine on one server, syncing in turn (what
+    benchmarks/weight_sync.py does, and a requeued job on the other transport): the disk
+    engine's init drops the gloo group the collective one formed."""
+    from megatron_gspo.model import build_model
+    from megatron_gspo.parallel import init_parallel
+    from megatron_gspo.rollout.local import LocalEngine
+
+    init_parallel(ParallelConfig())
+    model = build_model(cfg, ParallelConfig())
+    engines = [
+        VLLMEngine(
+            VLLMConfig(urls=[url], weight_sync=path, sync_dir=sync_dir, sync_timeout_s=60),
+            cfg,
+            model,
+            urls=[url],
+            api_key=key,
+        )
+        for path in ("collective", "disk")
+    ]
+    s = Servers(VLLMClient([url], api_key=key), timeout_s=60)
+    versions = []
+    for version, engine in enumerate(engines * 2 + engines[:1], 1):
+        engine.sync_weights(version)
+        versions.append(s.versions()[url])
+    greedy = RolloutRequest(PROMPTS, SamplingParams(group_size=1, temperature=0.0))
+    served = engines[0].generate(greedy)
+    trainer = LocalEngine(model).generate(greedy)
+    return {
+        "versions": versions,
+        "samples": [g[0].token_ids for g in served.completions],
+        "trainer": [g[0].token_ids for g in trainer.completions],
+    }
+
+
+@requires_vllm
+def test_engines_that_take_turns_on_a_server_each_get_a_working_transfer_group(
+    dense_server, dense_dir, tmp_path
+):
+    try:
+        out = run_distributed(
+            _engines_take_turns,
+            1,
+            VLLM_TINY_DENSE,
+            dense_server.url,
+            dense_server.key,
+            str(tmp_path / "sync"),
+            timeout=300,
+        )[0]
+    finally:
+        restore_served_weights(dense_server, dense_dir)
+    assert out["versions"] == [1, 2, 3, 4, 5], out["versions"]
+    assert out["samples"] == out["trainer"], out
+
+
 def _sync_into_a_failing_server(rank, world, cfg, url, key, pgid):
     import os
     import signal
@@ -404,7 +480,10 @@ def test_engine_reports_a_server_down_on_every_rank():
 
 def _engine_down(rank, world, url):
     engine = VLLMEngine(
-        VLLMConfig(urls=[url], max_retries=1), VLLM_TINY_MOE, None, retry_backoff_s=0.05
+        VLLMConfig(urls=[url], max_retries=1, health_timeout_s=1),
+        VLLM_TINY_MOE,
+        None,
+        retry_backoff_s=0.05,
     )
     try:
         engine.generate(RolloutRequest([[1, 2]], SamplingParams(group_size=1)))

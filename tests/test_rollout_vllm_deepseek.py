@@ -9,7 +9,7 @@ serves models (weight transfer engine, job key). One server for the module.
 - The served log-probs, of prompts (teacher forced) and of sampled tokens (decoding), equal
   transformers' forward: this is where vLLM 0.32's CPU rotary kernel, which misreads MLA's
   query layout, showed (1.5 nats off in the prompt, 6.4 in decoding, without
-  :mod:`megatron_gspo.rollout.vllm.cpu_rope`).
+  :mod:`megatron_gspo.rollout.vllm.server_side.cpu_rope`).
 - After each of two weight syncs (collective at 1 rank and EP2, disk; the expert bias goes in
   fp32), the server's greedy samples and prompt log-probs equal the Megatron trainer's own,
   and its norms and expert bias equal the trainer's byte for byte.

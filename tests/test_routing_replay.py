@@ -320,7 +320,8 @@ def _vllm_choice(routes: np.ndarray | None) -> dict:
 
 
 def test_vllm_routes_keep_the_moe_layers_sorted_and_missing_ones_name_the_flag():
-    from megatron_gspo.rollout.vllm.client import VLLMClient, VLLMRequestError
+    from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+    from megatron_gspo.rollout.vllm.http_client import VLLMClient
 
     # vLLM's layer axis counts every decoder layer; here layer 1 is dense (its slot is 0s).
     raw = np.array([[[3, 1], [0, 0], [2, 0]], [[1, 2], [0, 0], [3, 2]]], dtype=np.uint8)
@@ -332,7 +333,7 @@ def test_vllm_routes_keep_the_moe_layers_sorted_and_missing_ones_name_the_flag()
 
 
 def test_a_cpu_vllm_server_asked_for_routes_is_refused_before_it_starts():
-    from megatron_gspo.rollout.vllm.server import server_env
+    from megatron_gspo.rollout.vllm.server_command import server_env
 
     with pytest.raises(ValueError, match="CPU build refuses"):
         server_env("key", {}, cpu=True, return_routes=True)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.episodes.sandbox import PythonToolConfig, sandbox_problem
-from megatron_gspo.episodes.tools import ToolError, make_python_tool
+from megatron_gspo.toolbox.bwrap import sandbox_problem
+from megatron_gspo.toolbox.python_config import PythonToolConfig
+from megatron_gspo.toolbox.tools import ToolError, make_python_tool
 from tests.support.runs import ROOT
 from tests.support.sandbox_server import SandboxServer
 
@@ -85,6 +86,74 @@ def test_nothing_outside_the_scratch_directory_can_be_written(python, tmp_path):
     assert victim.read_text() == "weights"
     assert "pwned" not in (ROOT / "README.md").read_text()[:100]
     assert not Path("/usr/lib/evil").exists()
+
+
+# A uid that owns the package the sandbox shows: a trainer that is not root and owns its own
+# virtualenv. Only a read-only bind keeps model code from rewriting what it imports.
+OWNER_UID = 54_321
+
+
+def _as_owner(package_dir: Path, conn) -> None:
+    """In a forked child: become the package's owner (not root) and run code in the sandbox
+    that tries to rewrite the package it was shown; send back what it printed."""
+    try:
+        os.setgroups([])
+        os.setgid(OWNER_UID)
+        os.setuid(OWNER_UID)
+        sys.path.insert(0, str(package_dir.parent))
+        tool = make_python_tool(
+            {
+                **LOCAL.model_dump(),
+                "packages": [package_dir.name],
+                "interpreter": "/usr/bin/python3",
+            }
+        )
+        code = (
+            "import gspo_owned_pkg, os\n"
+            "print('imported', gspo_owned_pkg.VALUE)\n"
+            "for path in ('/packages/gspo_owned_pkg/__init__.py', "
+            "'/packages/gspo_owned_pkg/evil.py'):\n"
+            "    try:\n"
+            "        open(path, 'a').write('VALUE = 666\\n')\n"
+            "        print('WROTE', path)\n"
+            "    except OSError as e:\n"
+            "        print('refused', type(e).__name__, e.strerror)\n"
+        )
+        conn.send(("ok", tool(code=code)))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_packages_shown_to_the_code_stay_read_only_to_a_user_who_owns_them():
+    import multiprocessing as mp
+    import tempfile
+
+    # Not under pytest's tmp_path, whose parents only root may enter.
+    owned = Path(tempfile.mkdtemp(prefix="gspo-owned-"))
+    package = owned / "gspo_owned_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    for path in (owned, package, package / "__init__.py"):
+        os.chown(path, OWNER_UID, OWNER_UID)
+    try:
+        parent, child = mp.get_context("fork").Pipe()
+        proc = mp.get_context("fork").Process(target=_as_owner, args=(package, child))
+        proc.start()
+        assert parent.poll(60), "the sandboxed call as the owner did not answer"
+        status, seen = parent.recv()
+        proc.join(10)
+        assert status == "ok", seen
+        assert "imported 1" in seen, seen
+        assert "WROTE" not in seen, f"code rewrote a package it was shown: {seen}"
+        assert seen.count("refused OSError Read-only file system") == 2, seen
+        assert (package / "__init__.py").read_text() == "VALUE = 1\n"
+        assert not (package / "evil.py").exists()
+    finally:
+        shutil.rmtree(owned)
 
 
 def test_no_other_process_is_visible_or_reachable(python):
@@ -168,7 +237,7 @@ def test_the_remote_backend_fails_a_call_on_a_broken_service(server):
 
 @pytest.mark.slow
 def test_a_hanging_remote_service_costs_the_call_its_deadline(server):
-    from megatron_gspo.episodes.sandbox_http import ROUND_TRIP_S
+    from megatron_gspo.toolbox.remote import ROUND_TRIP_S
 
     python = make_python_tool({"backend": "http", "url": server.url, "timeout_s": 1})
     server.mode = "hang"
@@ -182,7 +251,7 @@ def test_a_hanging_remote_service_costs_the_call_its_deadline(server):
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 def test_without_a_sandbox_the_tool_refuses_unless_told_otherwise(monkeypatch, caplog):
-    import megatron_gspo.episodes.sandbox as sandbox
+    import megatron_gspo.toolbox.bwrap as sandbox
 
     monkeypatch.setattr(sandbox, "_probed", {})
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.episodes.rewards import RewardComputer, digit_match
-from megatron_gspo.episodes.served import ServerDown, check_served
+from megatron_gspo.rewards.computer import RewardComputer
+from megatron_gspo.rewards.functions import digit_match
+from megatron_gspo.rewards.served import ServerDown, check_served, parse_score
 from tests.support.judge_server import TEMPLATE, JudgeServer
 from tests.support.runs import cli, loop_recipe, one_line_error, run_metrics, write_recipe
 
@@ -128,6 +129,37 @@ def test_a_bad_judge_setting_is_named(tmp_path, judge):
     # No url and no servers started by launch: a fine recipe that cannot run here.
     proc = validate({})
     assert proc.returncode == 3 and "kwargs.url is not set" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "reply, score",
+    [
+        ("Score: 0.5.", 0.5),  # a full stop after it
+        ("Score: 1e-3", 1e-3),  # scientific notation
+        ("Score: 7/10", 0.7),  # a fraction of a scale
+        ("**Score:** 0.8", 0.8),  # markdown emphasis
+        ("score: 1", 1.0),  # the label in any case
+        ("SCORE = 3 / 4!", 0.75),
+        ("Final **score**: -0.25", -0.25),
+        ("Score: 0.2 at first.\nOn reflection... Score: 0.9", 0.9),  # the last one
+        ("Score: 4.5/5, so Score: 2/4.", 0.5),
+    ],
+)
+def test_the_judges_score_is_read_as_judges_write_it(reply, score):
+    assert parse_score(reply) == pytest.approx(score, rel=1e-12), reply
+
+
+@pytest.mark.parametrize("reply", ["", "I cannot grade this.", "Score: none", "Score: 3/0"])
+def test_a_reply_without_a_score_raises(reply):
+    with pytest.raises(ValueError):
+        parse_score(reply)
+
+
+def test_the_recipes_score_pattern_replaces_the_label():
+    assert parse_score("Rating: 0.3. Score: 0.9", r"Rating:\s*(\S+)") == pytest.approx(0.3)
+    assert parse_score("grade 7/10", r"grade (\S+)") == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="no score"):
+        parse_score("Score: 0.9", r"Rating:\s*(\S+)")
 
 
 def local_reward_with_prompt(response: str, answer: str, prompt: str) -> float:
@@ -261,7 +293,7 @@ def test_a_judge_served_by_vllm_grades_with_what_transformers_generates(
 
 def _served_model(tmp_path_factory, write, runner: str):
     pytest.importorskip("vllm")
-    from megatron_gspo.rollout.vllm.local_server import served
+    from megatron_gspo.rollout.vllm.single_node import served
 
     model_dir = write(tmp_path_factory.mktemp("served") / "model")
     extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]

@@ -9,9 +9,9 @@ installed; with ``sbatch`` present and no working cluster they fail and say how 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import slurm as cluster
+from tests.support.pausing import paused
+from tests.support.slurm import REPO, needs_slurm
+
 SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch")) + [REPO / "slurm" / "job.sh"]
 SHELL_FILES = SCRIPTS + [REPO / ".ci" / "slurm-setup.sh"]
-
-# A job that runs longer than this has hung (the tiny recipe takes well under a minute a step).
-JOB_TIMEOUT_S = float(os.environ.get("GSPO_SLURM_TEST_TIMEOUT", "900"))
 
 
 @pytest.mark.parametrize("script", SHELL_FILES, ids=lambda p: p.name)
@@ -57,92 +57,6 @@ def test_sbatch_recipes_declare_requeue_and_a_checkpoint_signal() -> None:
 
 # --------------------------------------------------------------------------------------------
 # A real Slurm.
-
-needs_slurm = pytest.mark.skipif(
-    shutil.which("sbatch") is None,
-    reason="sbatch not on PATH (no Slurm here); CI runs .ci/slurm-setup.sh first",
-)
-
-
-def _run(*cmd: str) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-
-
-def _job(job_id: str) -> dict[str, str]:
-    """``scontrol show job`` as a dict (there is no accounting database for sacct here)."""
-    fields: dict[str, str] = {}
-    for token in _run("scontrol", "show", "job", "-o", job_id).split():
-        key, _, value = token.partition("=")
-        fields.setdefault(key, value)
-    return fields
-
-
-def _wait(predicate, what: str, timeout_s: float = JOB_TIMEOUT_S, job_id: str | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    state = _job(job_id).get("JobState") if job_id else "?"
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (job {state})")
-
-
-def _finished(job_id: str) -> str | None:
-    state = _job(job_id)["JobState"]
-    return state if state in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"} else None
-
-
-def _release_requeued(job_id: str, tmp_path: Path) -> None:
-    """Start a requeued job now instead of after Slurm's ~2-minute requeue delay.
-
-    Once the first run has ended, Slurm sets the job's begin time (and may do so after an
-    early update), so the update is repeated until the job leaves PENDING.
-    """
-    _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the requeue", 180, job_id)
-    deadline = time.monotonic() + 90  # the first run's batch script ends (or is killed)
-    while time.monotonic() < deadline and not any(
-        "batch: done (exit" in p.read_text() for p in tmp_path.glob("batch-*.out")
-    ):
-        time.sleep(1.0)
-
-    def started() -> bool:
-        if _job(job_id)["JobState"] != "PENDING":
-            return True
-        _run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-        time.sleep(4.0)
-        return _job(job_id)["JobState"] != "PENDING"
-
-    _wait(started, "the requeued job to start", 180, job_id)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in _records(run_dir)]
-
-
-def _logs(tmp_path: Path) -> str:
-    return "\n".join(
-        f"==> {p.relative_to(tmp_path)} <==\n{p.read_text(errors='replace')[-4000:]}"
-        for p in sorted(tmp_path.rglob("*.log")) + sorted(tmp_path.glob("*.out"))
-    )
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster() -> str:
-    try:
-        state = _run("sinfo", "-h", "-o", "%T").split()
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        pytest.fail(f"sbatch is installed but Slurm does not answer ({e}); run .ci/slurm-setup.sh")
-    if not any(s.startswith(("idle", "mixed", "alloc")) for s in state):
-        pytest.fail(f"no Slurm node takes jobs (states: {state}); run .ci/slurm-setup.sh")
-    return state[0]
 
 
 def _recipe(tmp_path: Path, checkpoint_every: int) -> Path:
@@ -177,16 +91,40 @@ def test_cpu_tiny_job_completes_with_checkpoint_and_metrics(slurm_cluster, tmp_p
     t0 = time.monotonic()
     job_id, run_dir = _submit(tmp_path, _recipe(tmp_path, checkpoint_every=2), 2, "gspo-test")
     try:
-        state = _wait(lambda: _finished(job_id), "the job to finish", job_id=job_id)
+        state = cluster.wait_for(
+            lambda: cluster.finished(job_id), "the job to finish", job_id=job_id
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     print(f"cpu_tiny job {job_id}: {state} in {time.monotonic() - t0:.0f}s")
-    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
-    assert _steps(run_dir) == [1, 2], f"metrics steps {_steps(run_dir)}\n{_logs(tmp_path)}"
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{cluster.logs(tmp_path)}"
+    assert cluster.steps(run_dir) == [1, 2], (
+        f"metrics steps {cluster.steps(run_dir)}\n{cluster.logs(tmp_path)}"
+    )
     latest = run_dir / "checkpoints" / "latest"
-    assert latest.exists() and latest.read_text().strip() == "2", _logs(tmp_path)
+    assert latest.exists() and latest.read_text().strip() == "2", cluster.logs(tmp_path)
     assert list((run_dir / "checkpoints").glob("iter_*")), "no iter_* checkpoint directory"
-    assert (tmp_path / "logs" / f"trainer-{_job(job_id)['NodeList']}.log").exists()
+    assert (tmp_path / "logs" / f"trainer-{cluster.job(job_id)['NodeList']}.log").exists()
+
+
+def _signal_mid_run(tmp_path: Path, job_id: str, latest: Path, steps: int, *cmd: str) -> int:
+    """Once the run's first checkpoint is written (``latest``), ``cmd`` (a requeue, the
+    time-limit warning) with the trainer stopped until the SIGTERM it leads to reaches it: a
+    step takes 0.15 s, and the run would otherwise end first. The step saved before it."""
+    cluster.wait_for(latest.exists, "the first checkpoint", job_id=job_id, poll_s=0.05)
+    pid = cluster.trainer(tmp_path).pid
+    with paused(pid):
+        saved = int(latest.read_text().strip())
+        assert saved < steps, f"the run finished ({saved}) before {' '.join(cmd)}"
+        cluster.run(*cmd)
+        cluster.wait_for(
+            lambda: cluster.signal_reached(pid, signal.SIGTERM),
+            f"the trainer's SIGTERM after {' '.join(cmd)}",
+            120,
+            job_id,
+            poll_s=0.1,
+        )
+    return saved
 
 
 @pytest.mark.slow
@@ -197,37 +135,40 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path) -> No
     job_id, run_dir = _submit(tmp_path, _recipe(tmp_path, checkpoint_every=2), steps, "gspo-rq")
     latest = run_dir / "checkpoints" / "latest"
     try:
-        _wait(latest.exists, "the first checkpoint", job_id=job_id)
-        saved = int(latest.read_text().strip())
-        assert saved < steps, f"the run finished ({saved}) before it could be requeued"
-        _run("scontrol", "requeue", job_id)
-        _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the requeue", 120, job_id)
-        first_run = _records(run_dir)
+        saved = _signal_mid_run(tmp_path, job_id, latest, steps, "scontrol", "requeue", job_id)
+        cluster.wait_for(
+            lambda: cluster.job(job_id)["JobState"] == "PENDING", "the requeue", 120, job_id
+        )
+        first_run = cluster.records(run_dir)
         # Requeue SIGTERMs every process of the job; the trainer finishes its step and saves
         # (KillWait in .ci/slurm-setup.sh leaves it 60 s), so there is a newer checkpoint.
         saved_on_term = int(latest.read_text().strip())
         assert saved_on_term > saved, (
-            f"no checkpoint written on SIGTERM (latest still {saved})\n{_logs(tmp_path)}"
+            f"no checkpoint written on SIGTERM (latest still {saved})\n{cluster.logs(tmp_path)}"
         )
-        _release_requeued(job_id, tmp_path)
-        state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
+        cluster.release_requeued(job_id, tmp_path)
+        state = cluster.wait_for(
+            lambda: cluster.finished(job_id), "the requeued job to finish", job_id=job_id
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    print(f"requeue job {job_id}: {state} in {time.monotonic() - t0:.0f}s")
-    info = _job(job_id)
-    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
+    at = first_run[-1]["step"] if first_run else None
+    print(f"requeue job {job_id}: {state} in {time.monotonic() - t0:.0f}s; the first run "
+          f"saved step {saved}, was requeued at step {at} of {steps}")  # fmt: skip
+    info = cluster.job(job_id)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{cluster.logs(tmp_path)}"
     assert info["Restarts"] == "1", f"Restarts={info['Restarts']}"
-    records = _records(run_dir)
+    records = cluster.records(run_dir)
     assert first_run and first_run[-1]["step"] < steps, f"first run wrote {first_run}"
     # A resumed run rewrites only the records after its checkpoint (the trainer drops lines
     # past the step it resumes from); a run that started over would rewrite step 1 too, with
     # its own timings. So step 1 must be the first run's record, byte for byte.
     assert [r["step"] for r in records] == list(range(1, steps + 1)), (
-        f"metrics steps {[r['step'] for r in records]}\n{_logs(tmp_path)}"
+        f"metrics steps {[r['step'] for r in records]}\n{cluster.logs(tmp_path)}"
     )
     assert records[0] == first_run[0], (
         f"step 1 was recomputed after the requeue: the run restarted instead of resuming\n"
-        f"{_logs(tmp_path)}"
+        f"{cluster.logs(tmp_path)}"
     )
     assert latest.read_text().strip() == str(steps)
     batch_log = next(tmp_path.glob("batch-*.out")).read_text()
@@ -243,30 +184,35 @@ def test_time_limit_warning_checkpoints_exits_75_and_requeues_itself(slurm_clust
     job_id, run_dir = _submit(tmp_path, _recipe(tmp_path, checkpoint_every=2), steps, "gspo-tl")
     latest = run_dir / "checkpoints" / "latest"
     try:
-        _wait(latest.exists, "the first checkpoint", job_id=job_id)
-        saved = int(latest.read_text().strip())
-        assert saved < steps, f"the run finished ({saved}) before the warning"
-        _run("scancel", "--batch", "--signal=USR1", job_id)
-        _wait(lambda: _job(job_id)["JobState"] == "PENDING", "the self-requeue", 180, job_id)
+        saved = _signal_mid_run(
+            tmp_path, job_id, latest, steps, "scancel", "--batch", "--signal=USR1", job_id
+        )
+        cluster.wait_for(
+            lambda: cluster.job(job_id)["JobState"] == "PENDING", "the self-requeue", 180, job_id
+        )
         assert int(latest.read_text().strip()) > saved, "no checkpoint written on the warning"
-        _release_requeued(job_id, tmp_path)
-        state = _wait(lambda: _finished(job_id), "the requeued job to finish", job_id=job_id)
+        cluster.release_requeued(job_id, tmp_path)
+        state = cluster.wait_for(
+            lambda: cluster.finished(job_id), "the requeued job to finish", job_id=job_id
+        )
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     batch_log = next(tmp_path.glob("batch-*.out")).read_text()
-    assert state == "COMPLETED", f"job {job_id} ended {state}\n{_logs(tmp_path)}"
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{cluster.logs(tmp_path)}"
     assert "trainer finished with status 75" in batch_log, batch_log
     assert "requeueing job" in batch_log and " run 2 on " in batch_log, batch_log
-    assert _steps(run_dir) == list(range(1, steps + 1)), _logs(tmp_path)
+    assert cluster.steps(run_dir) == list(range(1, steps + 1)), cluster.logs(tmp_path)
 
 
-# The orchestration in slurm/job.sh (servers started, stopped when training ends, the job
-# failing when they die), with a stand-in for `megatron-gspo launch` so no GPU or vLLM is needed.
+# The orchestration in slurm/job.sh (servers started, stopped when training ends, training
+# going on when a rollout step ends, the job ended when every one has), with a stand-in for
+# `megatron-gspo launch` so no GPU or vLLM is needed. tests/test_slurm_vllm.py runs the real one.
 _STUB = """
-import pathlib, signal, sys, time
+import os, pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
 role = sys.argv[sys.argv.index("--role") + 1]
 mode = sys.argv[2]
+node = os.environ.get("SLURMD_NODENAME", "")
 
 def stopped(*_):
     (out / f"{role}-stopped").write_text("")
@@ -275,53 +221,76 @@ def stopped(*_):
 signal.signal(signal.SIGTERM, stopped)
 (out / f"{role}-started").write_text(" ".join(sys.argv[3:]))
 if role == "rollout":
-    if mode == "rollout_dies":
+    if mode == "all_rollouts_die" or (mode == "rollout_dies" and node == "gspo-n3"):
         time.sleep(2)
         sys.exit(3)
     time.sleep(300)
 else:
-    time.sleep(3 if mode == "ok" else 300)
+    time.sleep(3 if mode == "ok" else 8)
 """
 
 
-def _submit_stub(tmp_path: Path, mode: str) -> str:
+def _submit_stub(tmp_path: Path, mode: str, rollout_nodes: int = 0) -> str:
+    """``rollout_nodes`` 0: one node whose trainer shares it with a server (ROLLOUT_GPUS);
+    otherwise a trainer node and that many rollout nodes of the emulated partition."""
     (tmp_path / "stub.py").write_text(_STUB)
     script = tmp_path / "job.sbatch"
+    layout = f"ROLLOUT_NODES={rollout_nodes}\n" if rollout_nodes else "ROLLOUT_GPUS=1\n"
     script.write_text(
         "#!/usr/bin/env bash\n"
         f"RECIPE={REPO / 'recipes' / 'tiny-moe.yaml'}\n"
-        "ROLLOUT_GPUS=1\n"
+        f"{layout}"
         f"GSPO='{sys.executable} {tmp_path / 'stub.py'} {tmp_path} {mode}'\n"
         f"LOG_DIR={tmp_path / 'logs'}\n"
         f"OUTPUT_DIR={tmp_path / 'run'}\n"
         f"source {REPO / 'slurm' / 'job.sh'}\n"
     )
     cmd = ["sbatch", "--parsable", "--job-name=gspo-orch", f"--chdir={REPO}", "--requeue"]
+    if rollout_nodes:
+        cmd += ["--partition=nodes", f"--nodes={rollout_nodes + 1}", "--no-kill"]
     cmd += [f"--output={tmp_path}/batch-%j.out", str(script)]
-    return _run(*cmd).strip().split(";")[0]
+    return cluster.run(*cmd).strip().split(";")[0]
+
+
+def _stub_job(tmp_path: Path, mode: str, rollout_nodes: int = 0) -> tuple[str, str, str]:
+    """Runs a stub job to its end: its id, final state and batch log."""
+    job_id = _submit_stub(tmp_path, mode, rollout_nodes)
+    try:
+        state = cluster.wait_for(lambda: cluster.finished(job_id), "the job to finish", 180, job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    return job_id, state, next(tmp_path.glob("batch-*.out")).read_text()
 
 
 @needs_slurm
 def test_job_stops_the_rollout_servers_when_training_ends(slurm_cluster, tmp_path) -> None:
-    job_id = _submit_stub(tmp_path, "ok")
-    try:
-        state = _wait(lambda: _finished(job_id), "the job to finish", 120, job_id)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
-    assert state == "COMPLETED", _logs(tmp_path)
+    _, state, _ = _stub_job(tmp_path, "ok")
+    assert state == "COMPLETED", cluster.logs(tmp_path)
     for marker in ["rollout-started", "trainer-started", "rollout-stopped"]:
-        assert (tmp_path / marker).exists(), f"no {marker}\n{_logs(tmp_path)}"
+        assert (tmp_path / marker).exists(), f"no {marker}\n{cluster.logs(tmp_path)}"
     # The trainer got the vLLM split and the rendezvous flags.
     assert "--rollout-gpus 1" in (tmp_path / "trainer-started").read_text()
 
 
 @needs_slurm
-def test_job_fails_and_stops_the_trainer_when_the_servers_die(slurm_cluster, tmp_path) -> None:
-    job_id = _submit_stub(tmp_path, "rollout_dies")
-    try:
-        state = _wait(lambda: _finished(job_id), "the job to finish", 180, job_id)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
-    assert state == "FAILED", _logs(tmp_path)
-    assert (tmp_path / "trainer-stopped").exists(), f"trainer not stopped\n{_logs(tmp_path)}"
-    assert "the rollout servers exited" in next(tmp_path.glob("batch-*.out")).read_text()
+def test_a_rollout_step_that_ends_leaves_the_trainer_running(slurm_cluster, tmp_path) -> None:
+    """The trainer decides what too few servers mean (rollout.vllm.min_servers: exit 75 after
+    a checkpoint, and a requeue); the job only says that a rollout step ended."""
+    _, state, batch_log = _stub_job(tmp_path, "rollout_dies", rollout_nodes=2)
+    assert state == "COMPLETED", cluster.logs(tmp_path)
+    assert not (tmp_path / "trainer-stopped").exists(), f"trainer stopped\n{cluster.logs(tmp_path)}"
+    assert "a rollout step ended (status 3)" in batch_log, batch_log
+    assert "every rollout step ended" not in batch_log, batch_log
+
+
+@needs_slurm
+def test_when_every_rollout_step_has_ended_the_job_stops_the_trainer_and_fails(
+    slurm_cluster, tmp_path
+) -> None:
+    """Nothing in the allocation brings them back, and a requeue would loop on a command that
+    fails at start: the trainer is stopped (it saves) and the job FAILS without a requeue."""
+    job_id, state, batch_log = _stub_job(tmp_path, "all_rollouts_die", rollout_nodes=2)
+    assert state == "FAILED", f"{state}\n{cluster.logs(tmp_path)}"
+    assert (tmp_path / "trainer-stopped").exists(), cluster.logs(tmp_path)
+    assert "every rollout step ended; stopping the trainer" in batch_log, batch_log
+    assert "requeueing" not in batch_log and cluster.job(job_id)["Restarts"] == "0", batch_log

@@ -30,9 +30,19 @@ def test_the_bootstrap_interval_brackets_the_mean_and_narrows_with_more_seeds():
     assert lo < statistics.fmean(few) < hi
     lo2, hi2 = bootstrap_interval(many)
     assert lo2 < 1.0 < hi2 and hi2 - lo2 < hi - lo
-    # About 2 * 1.96 * sigma / sqrt(n) wide for normal data.
-    assert hi2 - lo2 == pytest.approx(2 * 1.96 / 200**0.5, rel=0.25)
     assert bootstrap_interval(few) == bootstrap_interval(few)  # seeded
+
+
+@pytest.mark.parametrize("level, z", [(0.95, 1.959964), (0.90, 1.644854), (0.99, 2.575829)])
+def test_the_bootstrap_interval_has_the_width_of_its_level(level, z):
+    """For the mean of 200 normal draws the bootstrap distribution is the normal one with the
+    sample's standard error, so the interval is 2 z(level) standard errors wide: within 5%,
+    which tells 95% (1.96) from 90% (1.64) and 99% (2.58)."""
+    rng = random.Random(1)
+    values = [rng.gauss(1.0, 1.0) for _ in range(200)]
+    lo, hi = bootstrap_interval(values, level=level)
+    se = statistics.pstdev(values) / len(values) ** 0.5
+    assert hi - lo == pytest.approx(2 * z * se, rel=0.05), (level, (hi - lo) / (2 * se))
 
 
 def test_a_paired_comparison_says_no_difference_where_the_interval_covers_zero():

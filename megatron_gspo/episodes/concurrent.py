@@ -7,8 +7,11 @@ say) has answered, so environment time hides behind other episodes' generation, 
 straggler holds up only itself. Each turn is one ``/v1/completions`` request with the
 episode's whole history as prompt ids (token-in, token-out; vLLM's prefix cache makes the
 history cheap to read again); environment calls run in the environment's worker processes and
-are awaited as futures. At most ``rollout.vllm.max_inflight`` episodes of one server are in
-flight at a time; a group's episodes go to one server, which reads their shared prompt once.
+are awaited as futures. At most ``rollout.vllm.max_inflight`` episodes per server are in
+flight at a time. Each turn goes where the fleet routes it (:mod:`megatron_gspo.rollout.vllm.
+fleet`: the least loaded serving server), and an episode's turns stay on the server its first
+turn went to while that serves (its prefix cache holds the episode's history); if it dies,
+the episode's next turn, or the turn it had under way, goes to another.
 
 Seeds: episode ``k`` (of the batch, group by group) samples its turn ``t`` with
 ``episode_turn_seed(seed, t, k)`` (:mod:`megatron_gspo.runtime.seeds`); its first turn is the
@@ -34,7 +37,7 @@ from megatron_gspo.episodes.runner import (
     apply_verdict,
     verdict,
 )
-from megatron_gspo.rollout.protocol import SamplingParams
+from megatron_gspo.rollout.protocol import SamplingParams, longest_completion
 from megatron_gspo.runtime.seeds import episode_turn_seed
 
 __all__ = ["ConcurrentRunner"]
@@ -70,40 +73,44 @@ class ConcurrentRunner:
         return [episodes[k : k + g] for k in range(0, len(episodes), g)]
 
     async def _run(self, prompts: list[Prompt], params: SamplingParams, versions) -> list:
-        gates = {url: asyncio.Semaphore(self.max_inflight) for url in self.client.urls}
+        gate = asyncio.Semaphore(self.max_inflight * len(self.client.fleet.urls))
         self._in_flight = self._most = 0
         g = params.group_size
         async with self.client.session() as http:
             episodes = await asyncio.gather(
                 *[
-                    self._episode(http, k, prompts[k // g], params, gates, versions)
+                    self._episode(http, k, prompts[k // g], params, gate, versions)
                     for k in range(len(prompts) * g)
                 ]
             )
         self.stats = {"episodes_in_flight_max": float(self._most)}
         return list(episodes)
 
-    async def _episode(self, http, k: int, prompt: Prompt, params, gates, versions) -> Episode:
-        url = self.client.server_for(k // params.group_size)
+    async def _episode(self, http, k: int, prompt: Prompt, params, gate, versions) -> Episode:
         limits = self.setup.limits(params.max_new_tokens)
-        async with gates[url]:
+        session = object()  # this episode's: its turns stay on one server while it serves
+        async with gate:
             self._in_flight += 1
             self._most = max(self._most, self._in_flight)
             try:
-                return await self._turns(http, url, k, prompt, params, limits, versions[url])
+                return await self._turns(http, session, k, prompt, params, limits, versions)
             finally:
                 self._in_flight -= 1
+                self.client.fleet.forget(session)
 
-    async def _turns(self, http, url, k, prompt, params, limits, version) -> Episode:
+    async def _turns(self, http, session, k, prompt, params, limits, versions) -> Episode:
         e, envs = Episode(), self.setup.envs
         reset = asyncio.wrap_future(envs.reset(prompt.text, prompt.answer))
         state: Held | Verdict | None = None
         for turn in range(self.setup.max_turns):
             sampling = replace(params, group_size=1, seed=episode_turn_seed(params.seed, turn, k))
-            [c] = await self.client.complete(
-                http, url, prompt.token_ids + e.token_ids, sampling, sampling.seed
+            ids = prompt.token_ids + e.token_ids
+            url, [c] = await self.client.fleet.routed(
+                lambda u, ids=ids, s=sampling: self.client.complete(http, u, ids, s, s.seed),
+                session=session,
+                tokens=longest_completion,
             )
-            c.stamp(version)
+            c.stamp(versions.get(url, self.client.fleet.version))
             e.add_model_turn(c)
             if state is None:
                 state = after_reset(await reset)

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megatron_gspo.episodes.rewards import reward_value
+from megatron_gspo.rewards.value import reward_value
 from megatron_gspo.runtime.user_code import check_kwargs, resolve
 from megatron_gspo.runtime.workers import WorkerPool
 
@@ -62,8 +62,8 @@ class Environment(Protocol):
 
 # Built-ins, imported when a recipe names them.
 ENVIRONMENTS: dict[str, str] = {
-    "relay_digits": "megatron_gspo.episodes.relay:RelayDigits",
-    "recall_key": "megatron_gspo.episodes.recall:RecallKey",
+    "relay_digits": "megatron_gspo.episodes.task_envs:RelayDigits",
+    "recall_key": "megatron_gspo.episodes.task_envs:RecallKey",
     "tools": "megatron_gspo.episodes.tool_env:ToolCalling",
 }
 

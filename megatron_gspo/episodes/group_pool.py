@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
 from megatron_gspo.episodes.pipeline import Batch, oldest_version
+from megatron_gspo.rollout.protocol import EngineDownError
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 
@@ -56,6 +57,9 @@ class _Group:
     prompt: Prompt
     episodes: list[Episode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    # The pool's version when the group started (None: started before a resume from a
+    # checkpoint): its tokens can be no older.
+    started_on: int | None = None
 
     def oldest(self) -> int | None:
         return oldest_version([self.episodes])
@@ -91,6 +95,7 @@ class GroupPool:
         groups_in_flight: int,
         max_staleness: int,
         next_step: int,
+        wait_timeout_s: float = 3600.0,
     ) -> None:
         if max_staleness < 1 or groups_in_flight < per_step:
             raise ValueError("GroupPool needs max_staleness >= 1, groups_in_flight >= per_step")
@@ -102,6 +107,8 @@ class GroupPool:
         self.version = next_step - 1  # the engine's, as of the last resume()
         self.dropped = 0
         self.waited_s = 0.0
+        # How long take() waits for a group it can train before it gives up, naming why.
+        self.wait_timeout_s = wait_timeout_s
         self._pending: deque[_Group] = deque()  # drawn, not started
         self._finished: list[_Group] = []
         self._running = 0
@@ -117,6 +124,7 @@ class GroupPool:
     def _start_locked(self) -> None:
         while not self._holding and self._pending and self._outstanding() < self._room():
             group = self._pending.popleft()
+            group.started_on = self.version
             self._running += 1
             assert self._pool is not None
             self._pool.submit(self._generate, group)
@@ -138,6 +146,9 @@ class GroupPool:
             group.episodes, group.stats = self.rollout(group.step, group.index, group.prompt)
         except BaseException as e:  # noqa: BLE001 - raised by take() on the main thread
             with self._cond:
+                if isinstance(e, EngineDownError):
+                    # Not sampled: a checkpoint keeps its prompt, to be sampled on resume.
+                    self._pending.appendleft(_Group(group.step, group.index, group.prompt))
                 self._error = self._error or e
                 self._running -= 1
                 self._cond.notify_all()
@@ -181,10 +192,13 @@ class GroupPool:
 
     def take(self, step: int, current_version: int) -> Batch:
         """``per_step`` finished groups, the stalest first, none staler than the bound, on
-        every rank (collective)."""
+        every rank (collective). Fails, naming why, where none can come: nothing in flight,
+        an engine whose versions do not advance, or no trainable group within
+        ``wait_timeout_s``."""
 
         def next_batch() -> Batch:
             start = time.perf_counter()
+            deadline = time.monotonic() + self.wait_timeout_s
             with self._cond:
                 while True:
                     if self._error is not None:
@@ -192,9 +206,26 @@ class GroupPool:
                     self._drop_stale(current_version)
                     if len(self._finished) >= self.per_step:
                         break
-                    if not self._running and (self._holding or not self._pending):
-                        raise RuntimeError("group pool: take() with nothing in flight (resume()?)")
-                    self._cond.wait()
+                    # Dropped groups leave room: fill it (with nothing running the pool would
+                    # otherwise wait for a group no one started).
+                    self._draw_ahead()
+                    self._start_locked()
+                    if not self._running:
+                        raise RuntimeError(
+                            f"group pool: step {step} needs {self.per_step} finished groups, "
+                            f"has {len(self._finished)}, and none is running "
+                            f"({len(self._pending)} prompts pending"
+                            + (", held: resume() was not called)" if self._holding else ")")
+                        )
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"group pool: no group step {step} can train on finished within "
+                            f"{self.wait_timeout_s:g} s ({self._running} running, "
+                            f"{len(self._finished)} finished, {self.dropped} dropped as staler "
+                            f"than {self.bound} versions so far)"
+                        )
+                    self._cond.wait(left)
                 self._finished.sort(key=lambda g: (_age_key(g), g.step, g.index))
                 taken = self._finished[: self.per_step]
                 del self._finished[: self.per_step]
@@ -214,6 +245,15 @@ class GroupPool:
         kept = []
         for g in self._finished:
             oldest = g.oldest()
+            if oldest is not None and g.started_on is not None and oldest < g.started_on:
+                # Started after the sync to started_on, yet labelled older: every group the
+                # engine makes would age out the same way.
+                raise RuntimeError(
+                    f"group pool: a group started after the sync to version {g.started_on} "
+                    f"came back labelled with version {oldest}: the engine's weights versions "
+                    "do not advance with the syncs, so nothing it samples can be trained "
+                    "within rollout.max_staleness"
+                )
             if oldest is not None and current_version - oldest > self.bound:
                 self.dropped += 1
                 log.info("dropped a group %d versions old", current_version - oldest)
@@ -225,20 +265,29 @@ class GroupPool:
 
     def state(self) -> dict[str, Any]:
         """The finished groups (those in flight are finished first) and the prompts drawn but
-        not started, on rank 0; no group starts again until :meth:`resume`."""
-        if not self.rank0:
-            return {}
-        with self._cond:
-            self._holding = True
-            while self._running and self._error is None:
-                self._cond.wait()
-            if self._error is not None:
-                raise self._error
-            return {
-                "groups": [g.to_json() for g in self._finished],
-                "pending": [g.to_json() for g in self._pending],
-                "next_step": self.next_draw,
-            }
+        not started, on rank 0 (collective: a failed group's error reaches every rank); no
+        group starts again until :meth:`resume`."""
+
+        def collect() -> dict[str, Any]:
+            if not self.rank0:
+                return {}
+            with self._cond:
+                self._holding = True
+                while self._running and self._error is None:
+                    self._cond.wait()
+                if isinstance(self._error, EngineDownError):
+                    while self._running:  # the others fail alike: their prompts come back
+                        self._cond.wait()
+                elif self._error is not None:
+                    raise self._error
+                pending = sorted(self._pending, key=lambda g: (g.step, g.index))
+                return {
+                    "groups": [g.to_json() for g in self._finished],
+                    "pending": [g.to_json() for g in pending],
+                    "next_step": self.next_draw,
+                }
+
+        return on_rank0(collect, share=False) or {}
 
     def restore(self, saved: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Queue saved groups again. Whole batches (a checkpoint of the batch pipeline) are

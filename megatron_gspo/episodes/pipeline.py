@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
-from megatron_gspo.rollout.protocol import Completion
+from megatron_gspo.rollout.protocol import Completion, EngineDownError
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 
@@ -180,7 +180,9 @@ class RolloutPipeline:
         def job() -> Batch:
             return Batch(step, prompts, *self.rollout(step, prompts))
 
-        return self._pool.submit(job)
+        future = self._pool.submit(job)
+        future.drawn = (step, prompts)  # kept by a checkpoint if the engine goes down
+        return future
 
     def resume(self, version: int | None = None) -> None:
         """Refill the queue with the weights the engine holds now (``version``)."""
@@ -210,7 +212,12 @@ class RolloutPipeline:
         def next_batch() -> Batch:
             try:
                 start = time.perf_counter()
-                batch = self.queue.popleft().result()
+                future = self.queue.popleft()
+                try:
+                    batch = future.result()
+                except EngineDownError:
+                    self.queue.appendleft(future)  # its prompts go into the checkpoint
+                    raise
                 self.waited_s += time.perf_counter() - start
                 while _staleness(batch, current_version) > self.capacity:
                     # The schedule never gets here; a stale batch is never trained on.
@@ -228,10 +235,13 @@ class RolloutPipeline:
     # -- checkpoints -------------------------------------------------------------------------
 
     def state(self) -> list[dict[str, Any]]:
-        """The queued batches (call between :meth:`pause` and :meth:`resume`), on rank 0."""
-        if not self.rank0:
-            return []
-        return [f.result().to_json() for f in self.queue]
+        """The queued batches (call between :meth:`pause` and :meth:`resume`), on rank 0
+        (collective: a failed batch's error reaches every rank)."""
+
+        def collect() -> list[dict[str, Any]]:
+            return [_saved(f) for f in self.queue] if self.rank0 else []
+
+        return on_rank0(collect, share=False) or []
 
     def restore(self, batches: list[dict[str, Any]]) -> None:
         """Queue saved batches again; the next prompts follow them."""
@@ -243,6 +253,10 @@ class RolloutPipeline:
                 "rollout.in_flight_updates.groups_in_flight set"
             )
         for data in batches:
+            if data.get("pending"):  # the engine went down before it was sampled: sample it
+                prompts = [Prompt(**p) for p in data["prompts"]]
+                self.queue.append(self._start(int(data["step"]), prompts))
+                continue
             done: Future = Future()
             done.set_result(Batch.from_json(data))
             self.queue.append(done)
@@ -254,6 +268,15 @@ class RolloutPipeline:
             for future in self.queue:
                 future.exception()
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _saved(future: Future) -> dict[str, Any]:
+    """A queued batch as a checkpoint holds it: sampled, or, where the engine went down first,
+    its prompts, to be sampled on resume."""
+    if isinstance(future.exception(), EngineDownError):
+        step, prompts = future.drawn
+        return {"step": step, "prompts": [asdict(p) for p in prompts], "pending": True}
+    return future.result().to_json()
 
 
 def oldest_version(groups: list[list[Episode]]) -> int | None:

@@ -154,6 +154,7 @@ class EpisodeSampler:
                 groups_in_flight=groups,
                 max_staleness=k,
                 next_step=next_step,
+                wait_timeout_s=_group_deadline(self.recipe),
             )
         return RolloutPipeline(
             ahead if runner is not None else None,
@@ -173,3 +174,11 @@ class EpisodeSampler:
     def close(self) -> None:
         if self.envs is not None:
             self.envs.close()
+
+
+def _group_deadline(recipe: Recipe) -> float:
+    """The longest a group may take once started: each turn's request and environment call
+    within their deadlines, and a sync it may wait for (rollout.vllm, reward.timeout_s)."""
+    turns = recipe.rollout.multi_turn.max_turns if recipe.rollout.multi_turn else 1
+    vllm = recipe.rollout.vllm
+    return turns * (vllm.request_timeout_s + recipe.reward.timeout_s) + vllm.sync_timeout_s

@@ -26,10 +26,11 @@ import torch
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.episodes.episode import Episode
-from megatron_gspo.episodes.rewards import RewardComputer, RewardStats, overlong_penalty
-from megatron_gspo.episodes.served import SERVED
 from megatron_gspo.loss.advantages import group_advantages, returns_to_go, turn_advantages
 from megatron_gspo.model.routes import check_routes
+from megatron_gspo.rewards.computer import RewardComputer, RewardStats
+from megatron_gspo.rewards.functions import overlong_penalty
+from megatron_gspo.rewards.served import SERVED
 from megatron_gspo.runtime.errors import InputError, UserError
 from megatron_gspo.runtime.rank0 import on_rank0
 from megatron_gspo.trainer.packing import Sample

@@ -17,7 +17,7 @@ is the model's answer: the episode is done, and ``reward.functions`` score that 
 ``env_kwargs``: ``tools`` (names: ``calculator``, ``python``, or ``package.module:function``;
 the model calls a user tool by its function name), ``python`` (the python tool: its sandbox,
 ``backend: local`` (bubblewrap) or ``http`` (a remote service), and its limits;
-:class:`~megatron_gspo.episodes.sandbox.PythonToolConfig`), ``max_calls_per_turn``,
+:class:`~megatron_gspo.toolbox.python_config.PythonToolConfig`), ``max_calls_per_turn``,
 ``max_output_chars``.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_gspo.episodes.environment import Step
-from megatron_gspo.episodes.tools import ToolError, resolve_tool
+from megatron_gspo.toolbox.tools import ToolError, resolve_tool
 
 __all__ = ["ToolCalling", "parse_tool_calls"]
 

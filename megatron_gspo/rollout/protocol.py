@@ -11,6 +11,11 @@ import numpy as np
 FinishReason = Literal["stop", "length"]
 
 
+class EngineDownError(RuntimeError):
+    """The engine cannot sample now, but may once restarted (too few vLLM servers serve): the
+    loop checkpoints what it has and exits 75, for Slurm to requeue the run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     group_size: int
@@ -91,6 +96,12 @@ def decode_routes(data: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype=data["dtype"]).reshape(data["shape"]).copy()
 
 
+def longest_completion(group: list[Completion]) -> int:
+    """The tokens of a group's longest completion: what its request had decoded when it
+    ended (its samples are decoded side by side)."""
+    return max((len(c.token_ids) for c in group), default=0)
+
+
 @dataclass
 class RolloutResult:
     # completions[p] holds the group_size responses to prompts[p].
@@ -111,8 +122,9 @@ class Capabilities:
     # collectives (rollout.max_staleness >= 1).
     rank0_generation: bool = False
     # Every episode can request its turns on its own, from rank 0: the engine has ``client``
-    # (an asynchronous completions client: session(), complete(), server_for(), urls) and
-    # check_versions(); multi-turn episodes then advance concurrently (episodes.concurrent).
+    # (an asynchronous completions client: session(), complete(), and fleet, which routes
+    # each turn to a server) and check_versions(); multi-turn episodes then advance
+    # concurrently (episodes.concurrent).
     concurrent_episodes: bool = False
 
 
@@ -132,6 +144,11 @@ class RolloutEngine(Protocol):
     def sync_weights(self, version: int) -> None:
         """Make the engine sample from the trainer's current weights, which are ``version``
         (the number of updates applied). Collective."""
+        ...
+
+    def step_metrics(self) -> dict[str, float]:
+        """Figures of the engine's own for the step just synced (the same on every rank); {}
+        where it has none."""
         ...
 
     def close(self) -> None: ...

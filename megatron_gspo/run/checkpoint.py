@@ -1,26 +1,43 @@
-"""Training checkpoints: Megatron distributed checkpoints, written atomically.
+"""Training checkpoints: Megatron distributed checkpoints, written atomically, synchronously or
+in the background (``run.async_save``).
 
 A checkpoint is ``iter_NNNNNNN/`` holding the model and optimizer as a Megatron-Core
 distributed checkpoint (each rank writes its shards), the LR schedule, the data position and
 every rank's random generator states (:mod:`megatron_gspo.run.rng`). It is written into
-``.iter_NNNNNNN.tmp`` and renamed into place only when every rank has finished; ``latest``
-names the newest complete one and is replaced atomically after the rename. A process killed
-mid-save therefore leaves the previous checkpoint as ``latest``, and the next save or load
-removes the debris.
+``.iter_NNNNNNN.tmp`` and renamed into place only when every rank has finished and its
+manifest is written; ``latest`` names the newest complete one and is replaced atomically after
+the rename. Checkpoints beyond ``keep`` are renamed out of the way at once and their files
+deleted in the background (:mod:`.checkpoint_files`). A process killed at any moment
+(mid-write, mid-hash, mid-rename, mid-prune) therefore leaves ``latest`` naming a checkpoint
+that verifies, and the next save or load removes the debris.
 
 A ``manifest.json`` (:mod:`megatron_gspo.weights.manifest`) records the layout and model it was
 saved with and every file's size and SHA-256; loading verifies them first (all ranks, a share
-each) and names a missing, truncated or changed file. Model and optimizer are saved in
-Megatron-Core's reshardable forms (the distributed optimizer's ``fully_reshardable``), so a run
-resumes on another TP/PP/EP/DP layout. Weights holding NaN or inf are never saved.
+each) and names a missing, truncated or changed file. Each rank hashes the files it wrote
+itself, right after writing them (from the page cache, never a second read of another rank's
+files from a shared filesystem). Model and optimizer are saved in Megatron-Core's reshardable
+forms (the distributed optimizer's ``fully_reshardable``), so a run resumes on another
+TP/PP/EP/DP layout. Weights holding NaN or inf are never saved.
+
+Asynchronous saves (``run.async_save: true``) hand the state to Megatron-Core's
+``async_sharded_save`` and its ``AsyncCallsQueue``: a process forked from each rank writes the
+shards (on a GPU from a host copy Megatron makes first; on a CPU from the clones it makes of
+tensors that are views into a larger buffer, and the fork's copy-on-write view of the rest) and
+then hashes them, while the loop trains on. The save is finalized at a later step
+(:meth:`Checkpointer.poll`, collective): only then are the manifest written, the directory
+renamed and ``latest`` flipped. One save is in flight at a time: a checkpoint due while one is
+still being written waits for it (``checkpoint_blocked_s``), and the end of a run, SIGTERM and
+the time-limit signal finish it (:meth:`Checkpointer.wait`) before they exit.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +46,36 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_gspo.parallel.platform import cuda_redirect_suspended
+from megatron_gspo.run.checkpoint_files import Remover, debris
+from megatron_gspo.run.checkpoint_files import fsync_dir as _fsync_dir
+from megatron_gspo.run.checkpoint_files import write_atomic as _write_atomic
+from megatron_gspo.run.mcore_checkpoint import (
+    SaveStrategy,
+    async_save_kwargs,
+    init_optimizer_state,
+    keep_torch_adam_step,
+    start_writer_queue_ignoring_sigterm,
+    unshare_adam_steps,
+    write_common_file,
+)
 from megatron_gspo.run.rng import get_rng_state, set_rng_state
+from megatron_gspo.runtime.procs import forks_die_with_parent
 from megatron_gspo.trainer.policy import Policy
 from megatron_gspo.weights.manifest import (
+    HASHES_FILE,
     MANIFEST,
     CheckpointError,
-    checksummed_files,
-    sha256_of,
+    hash_files,
+    owner_of,
     verify,
+    write_then_hash,
 )
 from megatron_gspo.weights.model_check import check_checkpoint_model
 
 # Reshardable over TP, PP, EP and DP: a run resumes on another layout (fully_reshardable
-# gathers the distributed optimizer's states per parameter; benchmarks/checkpoint.py measures
-# what that costs against dp_reshardable, which resumes on the same DP size only).
+# gathers the distributed optimizer's states per parameter; benchmarks/checkpoint_format.py
+# measures what that costs against dp_reshardable, which resumes on the same DP size only).
 OPTIMIZER_FORMAT = "fully_reshardable"
 LATEST = "latest"
 BEST = "best"
@@ -51,118 +84,9 @@ _REFERENCE = "reference."
 
 log = logging.getLogger(__name__)
 
-# megatron-core's name for the non-tensor part of a checkpoint (its COMMON_STATE_FNAME).
-COMMON_FILE = "common.pt"
-
 
 def _name(step: int) -> str:
     return f"iter_{step:07d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _init_optimizer_state(policy: Policy) -> None:
-    """Create empty Adam states so Megatron can build the state dict to load into.
-
-    A fresh optimizer has none until its first step, and Megatron's torch-Adam fallback does
-    not create them (its Transformer Engine and apex paths do).
-    """
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-
-
-def _keep_torch_adam_step(policy: Policy) -> None:
-    """Work around Megatron-Core 0.16 loading ``fully_reshardable`` distributed-optimizer states
-    into torch's Adam (its fallback without Transformer Engine or apex): it restores Adam's
-    per-parameter ``step`` from the param groups, then copies every state tensor from the
-    checkpoint, ``step`` included, which the checkpoint keeps elsewhere (a KeyError). The
-    copy of ``step`` onto itself is what the loader means."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
-        if not isinstance(opt, DistributedOptimizer) or getattr(opt, "_gspo_step_kept", False):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            group, order = opt.model_param_group_index_map[model_param]
-            main = opt.optimizer.param_groups[group]["params"][order]
-            step = opt.optimizer.state[main].get("step")
-            if step is not None and "step" not in tensors:
-                tensors = {**tensors, "step": step}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        opt._gspo_step_kept = True
-
-
-def _unshare_adam_steps(policy: Policy) -> None:
-    """Give every parameter its own Adam ``step`` again after a load.
-
-    Megatron-Core 0.16's distributed optimizer restores torch Adam's per-parameter ``step`` as
-    one tensor object shared by all parameters; torch increments each parameter's ``step`` in
-    place, so the shared one would advance once per parameter per update and skew Adam's bias
-    correction from the first step after a resume."""
-    for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-_WRITER_MANAGER = None
-
-
-def _writer_manager_init(parent_pid: int) -> None:
-    from megatron_gspo.runtime.procs import die_with_parent
-
-    die_with_parent(parent_pid)
-
-
-def _start_writer_queue_ignoring_sigterm() -> None:
-    """Start Megatron's checkpoint-writer results queue in a helper that survives SIGTERM
-    and dies with the trainer.
-
-    The first ``dist_checkpointing.save`` starts a multiprocessing ``Manager`` process and keeps
-    it. Slurm signals every process of a job (requeue, pre-emption, scancel), so that helper
-    would die with the SIGTERM whose point is to let the trainer save, and that save would fail
-    on a broken pipe; and after a SIGKILL of the trainer it would live on, orphaned. The
-    manager started here ignores SIGTERM and is killed by the kernel when the trainer exits.
-    """
-    global _WRITER_MANAGER
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if _WRITER_MANAGER is not None or filesystem_async._results_queue is not None:
-        return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_writer_manager_init, initargs=(os.getpid(),))
-    _WRITER_MANAGER = manager
-    filesystem_async._results_queue = manager.Queue()
 
 
 def _first_line(error: BaseException) -> str:
@@ -198,8 +122,9 @@ class Checkpointer:
         *,
         keep: int = 2,
         optimizer_format: str = OPTIMIZER_FORMAT,
+        async_save: bool = False,
     ) -> None:
-        _start_writer_queue_ignoring_sigterm()
+        start_writer_queue_ignoring_sigterm()
         self.optimizer_metadata = {
             "distrib_optim_sharding_type": optimizer_format,
             "chained_optim_avoid_prefix": True,
@@ -209,6 +134,13 @@ class Checkpointer:
         self.keep = keep
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.async_save = async_save
+        self._queue = None
+        self._strategy = SaveStrategy()  # Megatron's plans reused while the structure holds
+        self._remover = Remover()  # old checkpoints' files, deleted off the loop
+        self._pending: int | None = None  # the step whose save is being written
+        # Seconds the loop spent blocked by checkpoints since the last take_blocked_s().
+        self._blocked_s = 0.0
 
     def latest_step(self) -> int | None:
         path = self.dir / LATEST
@@ -237,7 +169,10 @@ class Checkpointer:
     def _check_finite(self, step: int) -> None:
         bad = torch.zeros(1)
         for name, param in self.policy.model.named_parameters():
-            if not bool(torch.isfinite(param).all()):
+            # A sum is not finite when an element is not (or on overflow: the mask confirms);
+            # isfinite's mask on every weight was a fifth of an asynchronous save's hand-over.
+            finite_sum = bool(torch.isfinite(param.detach().sum()))
+            if not finite_sum and not bool(torch.isfinite(param).all()):
                 bad.fill_(1.0)
                 log.error("weight %s holds NaN or inf at step %d", name, step)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -247,77 +182,185 @@ class Checkpointer:
                 f"({self.dir / LATEST} still names the last good checkpoint)"
             )
 
-    def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
-        self._check_finite(step)
-        final = self.dir / _name(step)
-        try:
-            return self._save(step, trainer_state, final)
-        except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, a quota, ...
-            if self.world == 1:  # the partial copy, which would hold the space until next time
-                shutil.rmtree(self.dir / f".{_name(step)}.tmp", ignore_errors=True)
-            first = _first_line(e)
-            free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else None
-            space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
-            raise CheckpointError(
-                f"cannot write checkpoint {final}: {first}{space}; {self.dir / LATEST} still "
-                "names the last complete one"
-            ) from e
+    # -- saving -------------------------------------------------------------------------------
 
-    def _save(self, step: int, trainer_state: dict[str, Any], final: Path) -> Path:
-        tmp = self.dir / f".{_name(step)}.tmp"
+    def save(self, step: int, trainer_state: dict[str, Any], *, best: bool = False) -> Path:
+        """Checkpoint ``step`` (collective) into the directory returned: written and published
+        before returning, or, with ``async_save``, handed to Megatron's writer and published
+        by a later :meth:`poll` or :meth:`wait` (a save still in flight is finished first).
+        ``best``: mark it the best once published."""
+        start = time.perf_counter()
+        try:
+            self.wait()
+            self._check_finite(step)
+            self._save(step, trainer_state, best)
+        finally:
+            self._blocked_s += time.perf_counter() - start
+        return self.dir / _name(step)
+
+    def poll(self) -> None:
+        """Publish an asynchronous save whose writers have finished (collective; cheap when
+        none is in flight)."""
+        if self._queue is None or not self._queue.get_num_unfinalized_calls():
+            return
+        start = time.perf_counter()
+        try:
+            self._finalize(blocking=False)
+        finally:
+            self._blocked_s += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Finish and publish the save in flight, if any (collective)."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._finalize(blocking=True)
+
+    def close(self) -> None:
+        """The end of a run: the save in flight published, old checkpoints' files gone."""
+        self.wait()
+        self._remover.join()
+
+    def take_blocked_s(self) -> float:
+        """Seconds the loop spent blocked by checkpoints since the last call."""
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return blocked
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the save being written in the background (None: none)."""
+        return self._pending
+
+    def _finalize(self, *, blocking: bool) -> None:
+        step = self._pending
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            self._pending = None
+            raise self._cannot_write(step, e) from e
+        if done:
+            self._pending = None
+
+    def _cannot_write(self, step: int | None, error: BaseException) -> CheckpointError:
+        name = _name(step) if step is not None else "?"
+        if self.world == 1:  # the partial copy, which would hold the space until next time
+            shutil.rmtree(self.dir / f".{name}.tmp", ignore_errors=True)
+        free = shutil.disk_usage(self.dir).free if self.dir.is_dir() else None
+        space = f"; {free / 2**20:.1f} MiB free there" if free is not None else ""
+        return CheckpointError(
+            f"cannot write checkpoint {self.dir / name}: {_first_line(error)}{space}; "
+            f"{self.dir / LATEST} still names the last complete one"
+        )
+
+    def _save(self, step: int, trainer_state: dict[str, Any], best: bool) -> None:
+        tmp, final = self.dir / f".{_name(step)}.tmp", self.dir / _name(step)
+        try:
+            if self.rank == 0:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._remove_debris()
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            dist.barrier()
+            sharded = self._sharded_state(loading=False)  # the distributed optimizer's: .cuda()
+            strategy, validate = self._strategy(sharded)
+            # Megatron's writers end with the trainer (one a SIGKILL left would write on into a
+            # directory the next run owns); a save rewrites no CUDA argument: no device mode.
+            with forks_die_with_parent(), cuda_redirect_suspended():
+                request = dist_checkpointing.save(
+                    sharded,
+                    str(tmp),
+                    sharded_strategy=strategy,
+                    validate_access_integrity=validate,
+                    async_sharded_save=self.async_save,
+                    **(async_save_kwargs() if self.async_save else {}),
+                )
+            torch.save(get_rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
+            if self.rank == 0:
+                state = {
+                    "step": step,
+                    "scheduler": self.policy.scheduler.state_dict(),
+                    "has_reference": self.policy.reference is not None,
+                    **trainer_state,
+                }
+                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        except (OSError, RuntimeError, CheckpointException) as e:  # a full disk, a quota, ...
+            raise self._cannot_write(step, e) from e
+        publish = functools.partial(self._publish, tmp, final, step, best)
+        if request is None:
+            try:
+                dist.barrier()
+                publish()
+            except (OSError, RuntimeError, CheckpointException) as e:
+                raise self._cannot_write(step, e) from e
+            return
+        if request.async_fn is not None:
+            request = request._replace(
+                async_fn=functools.partial(write_then_hash, request.async_fn, str(tmp))
+            )
+        request.add_finalize_fn(publish)
+        if self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            # Temporal: a process forked per save; on a CPU the fork is what holds the
+            # weights as they were (the persistent worker would be handed the live tensors).
+            self._queue = AsyncCallsQueue(persistent=False)
+        with forks_die_with_parent():
+            self._queue.schedule_async_request(request)
+        self._pending = step
+
+    def _publish(self, tmp: Path, final: Path, step: int, best: bool) -> None:
+        """The files written and hashed: the manifest, the rename, ``latest`` (collective)."""
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._remove_debris()
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            write_common_file(tmp)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(loading=False), str(tmp))
-        torch.save(get_rng_state(), tmp / f"rng_rank{self.rank:05d}.pt")
+        # Each rank hashes what it wrote itself (the async writer did already), rank 0 the
+        # common files: from the page cache, never another rank's files.
+        hashes_file = tmp / HASHES_FILE.format(rank=self.rank)
+        if hashes_file.is_file():
+            mine = json.loads(hashes_file.read_text())
+            hashes_file.unlink()
+        else:
+            mine = {}
+        mine.update(hash_files(self._unhashed(tmp, mine), tmp))
+        parts: list[dict] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(parts, mine)
         if self.rank == 0:
-            state = {
-                "step": step,
-                "scheduler": self.policy.scheduler.state_dict(),
-                "has_reference": self.policy.reference is not None,
-                **trainer_state,
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            _write_common_file(tmp)
-        dist.barrier()
-        self._write_manifest(tmp, step)
-        if self.rank == 0:
+            self._write_manifest(tmp, step, {k: v for part in parts for k, v in part.items()})
             _fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
             _write_atomic(self.dir / LATEST, f"{step}\n")
+            if best:
+                _write_atomic(self.dir / BEST, f"{step}\n")
             self._prune(step)
         dist.barrier()
-        return final
 
-    def _write_manifest(self, directory: Path, step: int) -> None:
-        """Every file's size and SHA-256 (hashed by all ranks, a share each) and the layout."""
-        files = checksummed_files(directory)
-        mine = {
-            str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
-            for i, p in enumerate(files)
-            if i % self.world == self.rank
+    def _unhashed(self, directory: Path, done: dict[str, Any]) -> list[Path]:
+        """This rank's files of ``directory`` not hashed yet."""
+        return sorted(
+            p
+            for p in directory.rglob("*")
+            if p.is_file()
+            and p.name != MANIFEST
+            and not p.name.startswith(".sha256_rank")
+            and str(p.relative_to(directory)) not in done
+            and owner_of(p.name) == self.rank
+        )
+
+    def _write_manifest(self, directory: Path, step: int, files: dict[str, Any]) -> None:
+        manifest = {
+            "format": 1,
+            "step": step,
+            "layout": current_layout(self.policy),
+            # Megatron pads the vocabulary for TP; the embedding's rows cannot change on resume.
+            "padded_vocab_size": self.policy.model.vocab_size,
+            # The model it holds, so that a recipe with another shape is refused by name.
+            "model": self.policy.recipe.model.model_dump(mode="json"),
+            "files": dict(sorted(files.items())),
         }
-        parts: list[dict] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(parts, mine)
-        if self.rank == 0:
-            manifest = {
-                "format": 1,
-                "step": step,
-                "layout": current_layout(self.policy),
-                # Megatron pads the vocabulary for TP; the embedding's rows cannot change on
-                # resume.
-                "padded_vocab_size": self.policy.model.vocab_size,
-                # The model it holds, so that a recipe with another shape is refused by name.
-                "model": self.policy.recipe.model.model_dump(mode="json"),
-                "files": {k: v for part in parts for k, v in sorted(part.items())},
-            }
-            (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    # -- loading ------------------------------------------------------------------------------
 
     def verify(self, step: int, *, trust_unverified: bool = False) -> dict[str, Any] | None:
         """:func:`verify` of the checkpoint of ``step``; returns its manifest."""
@@ -344,8 +387,8 @@ class Checkpointer:
                 "tensor_model_parallel_size (a new run on this layout can start from the "
                 "checkpoint's weights with run.init_from, which loads any padding)"
             )
-        _init_optimizer_state(self.policy)
-        _keep_torch_adam_step(self.policy)
+        init_optimizer_state(self.policy)
+        keep_torch_adam_step(self.policy)
         state = json.loads((path / "trainer_state.json").read_text())
         has_reference = bool(state.pop("has_reference", False))
         try:
@@ -360,7 +403,7 @@ class Checkpointer:
             # Megatron copies into views of parameters that require grad.
             with torch.no_grad():
                 self.policy.optimizer.load_state_dict(loaded["optimizer"])
-            _unshare_adam_steps(self.policy)
+            unshare_adam_steps(self.policy)
         except (Exception, CheckpointException) as e:
             hint = f" (saved with layout {saved_layout})" if resharded else ""
             raise CheckpointError(
@@ -386,23 +429,15 @@ class Checkpointer:
         return state
 
     def _remove_debris(self) -> None:
-        for p in self.dir.glob(".iter_*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
+        for p in debris(self.dir):
+            if p not in self._remover.busy:
+                shutil.rmtree(p, ignore_errors=True)
 
     def best_step(self) -> int | None:
-        """The step ``mark_best`` named last (kept out of pruning), if any."""
+        """The step last saved with ``best=True`` (kept out of pruning), if any."""
         path = self.dir / BEST
         text = path.read_text().strip() if path.is_file() else ""
         return int(text) if text.isdigit() and (self.dir / _name(int(text))).is_dir() else None
-
-    def mark_best(self, step: int) -> None:
-        """Name the saved checkpoint of ``step`` as the best; pruning keeps it. Collective."""
-        if self.rank == 0:
-            if not (self.dir / _name(step)).is_dir():
-                raise CheckpointError(f"no checkpoint of step {step} in {self.dir} to mark best")
-            _write_atomic(self.dir / BEST, f"{step}\n")
-            self._prune(self.latest_step() or step)
-        dist.barrier()
 
     def _prune(self, newest: int) -> None:
         if self.keep <= 0:
@@ -410,20 +445,5 @@ class Checkpointer:
         best = self.best_step()
         steps = sorted(int(p.name[5:]) for p in self.dir.glob("iter_*") if p.name[5:].isdigit())
         steps = [s for s in steps if s != best]
-        for old in [s for s in steps if s != newest][: max(0, len(steps) - self.keep)]:
-            shutil.rmtree(self.dir / _name(old), ignore_errors=True)
-
-
-def _write_common_file(directory: Path) -> None:
-    """Give a checkpoint the ``common.pt`` that megatron-core before 0.19 reads.
-
-    megatron-core 0.19 keeps the non-tensor state (the optimizer's param groups, ...) inside
-    the torch_dist files and writes no common.pt; 0.16.1 to 0.18 read that state from
-    common.pt alone and fail without it. The same state, copied out, lets a run saved under
-    0.19 resume under any version of the range; 0.19 reads common.pt first when it exists.
-    """
-    if (directory / COMMON_FILE).exists():  # written by megatron-core before 0.19
-        return
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-    torch.save(load_common_state_dict(str(directory)), directory / COMMON_FILE)
+        old = [s for s in steps if s != newest][: max(0, len(steps) - self.keep)]
+        self._remover.remove([self.dir / _name(s) for s in old])

@@ -70,8 +70,8 @@ def _tokenizer(recipe: Recipe):
 
 def check_rewards(recipe: Recipe, run_dir: Path) -> list[Problem]:
     """Every reward function resolves and accepts ``(response, answer, **kwargs)``."""
-    from megatron_gspo.episodes.rewards import check_reward_function
-    from megatron_gspo.episodes.served import ServerDown
+    from megatron_gspo.rewards.computer import check_reward_function
+    from megatron_gspo.rewards.served import ServerDown
 
     out = []
     for i, f in enumerate(recipe.reward.functions):
@@ -101,7 +101,8 @@ def check_environment(recipe: Recipe, run_dir: Path) -> list[Problem]:
 def python_tool(recipe: Recipe) -> tuple[str, str | None] | None:
     """Where the recipe's python tool runs, and why it cannot here (None: it can); None where
     the recipe has no python tool."""
-    from megatron_gspo.episodes.sandbox import PythonToolConfig, sandbox_problem
+    from megatron_gspo.toolbox.bwrap import sandbox_problem
+    from megatron_gspo.toolbox.python_config import PythonToolConfig
 
     multi = recipe.rollout.multi_turn
     kwargs = dict(multi.env_kwargs) if multi is not None else {}

@@ -18,9 +18,9 @@ from dataclasses import replace
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import Prompt, PromptStream
 from megatron_gspo.episodes.episode import Episode
-from megatron_gspo.episodes.rewards import RewardComputer
 from megatron_gspo.episodes.runner import EpisodeRunner
 from megatron_gspo.episodes.scoring import final_rewards
+from megatron_gspo.rewards.computer import RewardComputer
 from megatron_gspo.rollout.protocol import SamplingParams
 from megatron_gspo.runtime.rank0 import on_rank0
 from megatron_gspo.runtime.seeds import eval_data_seed, eval_seed

@@ -18,9 +18,10 @@ grows as a policy learns.
 
 :class:`RolloutKLGuard` raises :class:`RolloutMismatchError` once the figure has stayed above
 the limit for ``max_rollout_kl_steps`` consecutive steps, so one unlucky batch does not stop a
-run. A step without the figure (no update, no probe) leaves the count as it was. Pure: fed the
-step's metrics, which every rank holds alike (the figure is summed over the world), so every
-rank stops at the same step.
+run. A step without the figure (no update, no probe) leaves the count as it was, and so does a
+resume: the streak is in the checkpoint (:meth:`state`), so a run requeued more often than
+``max_rollout_kl_steps`` is still stopped. Pure: fed the step's metrics, which every rank holds
+alike (the figure is summed over the world), so every rank stops at the same step.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ class RolloutKLGuard:
             self._streak.clear()
         if len(self._streak) >= self.steps:
             raise RolloutMismatchError(self._message())
+
+    def state(self) -> list[list]:
+        """The streak so far, for the checkpoint (``[step, figure, drift]`` each)."""
+        return [[s, v, d] for s, v, d in self._streak]
+
+    def restore(self, saved: list[list] | None) -> None:
+        self._streak = [(int(s), float(v), d) for s, v, d in saved or []]
 
     def _message(self) -> str:
         recent = self._streak[-self.steps :]

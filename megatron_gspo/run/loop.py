@@ -13,6 +13,11 @@ Every rank runs :func:`train` (``torchrun`` or a single process); its parts come
 3. the trainer updates the policy with the recipe's loss (GSPO by default);
 4. once generation in flight has finished, the engine is given the new weights;
 5. evaluation, metrics, and every ``run.checkpoint_every`` steps a checkpoint.
+
+An engine that cannot sample any more (fewer vLLM servers serve than
+``rollout.vllm.min_servers``: :class:`~megatron_gspo.rollout.protocol.EngineDownError`) ends
+the run as SIGTERM does: a checkpoint of the last step trained (what it had sampled ahead
+kept, or its prompts drawn again), then exit 75.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from megatron_gspo.config import Recipe
 from megatron_gspo.episodes.dynamic_sampling import groups_without_signal
 from megatron_gspo.episodes.pipeline import Batch
 from megatron_gspo.parallel import init_parallel
+from megatron_gspo.rollout.protocol import EngineDownError
 from megatron_gspo.run.checks import refuse_problems
-from megatron_gspo.run.kl_guard import RolloutKLGuard
+from megatron_gspo.run.plot import BackgroundPlots
 from megatron_gspo.run.rundir import RunOptions, open_run
 from megatron_gspo.run.session import Session
 from megatron_gspo.run.signals import PREEMPTED_MARKER, catch_sigterm, sigterm_received
@@ -66,12 +72,14 @@ PREEMPTED = PREEMPTED_MARKER
 
 
 class Preempted(Exception):
-    """The run stopped on SIGTERM after saving a checkpoint at ``step`` (or, ``saved=False``,
-    during start-up, having written nothing); resume to continue."""
+    """The run stopped on SIGTERM (or ``why``) after saving a checkpoint at ``step`` (or,
+    ``saved=False``, during start-up, having written nothing); resume to continue."""
 
-    def __init__(self, step: int, run_dir: Path, *, saved: bool = True) -> None:
+    def __init__(
+        self, step: int, run_dir: Path, *, saved: bool = True, why: str = "on SIGTERM"
+    ) -> None:
         what = f"after saving step {step}" if saved else "during start-up (nothing to save)"
-        super().__init__(f"stopped on SIGTERM {what} in {run_dir}")
+        super().__init__(f"stopped {why} {what} in {run_dir}")
         self.step, self.run_dir = step, run_dir
 
 
@@ -112,13 +120,23 @@ def train(
         run.logger.log(0, run.evaluate(0))
     run.rollouts.resume(version=run.start)
     bar = _progress(total, run.start, enabled=rank0)
-    kl_guard = RolloutKLGuard.from_recipe(recipe)
+    plots = BackgroundPlots(run_dir) if rank0 and recipe.run.plot_every else None
     step, stopping = run.start, False
     for step in range(run.start + 1, total + 1):
         t0 = time.perf_counter()
+        # A checkpoint written in the background is published once its writers are done.
+        run.checkpoints.poll()
         # 1. Episodes: the policy holds step - 1 updates; the batch may come from an older
         # version (rollout.max_staleness).
-        batch = run.rollouts.take(step, current_version=step - 1)
+        drawn_from = (run.stream.position, run.stream.skipped)
+        try:
+            batch = run.rollouts.take(step, current_version=step - 1)
+        except EngineDownError as e:
+            # Nothing of this step is trained: keep step - 1, and the prompts it would draw.
+            run.stream.position, run.stream.skipped = drawn_from
+            if step - 1 not in (run.checkpoints.latest_step(), run.checkpoints.pending):
+                run.save(step - 1, best=False)
+            _exit_engine_down(run, step - 1, lock, e)
         if _empty_responses(batch):
             raise RuntimeError("the rollout engine returned an empty response")
         # 2. Rewards, failed scores, credit (advantages); dynamic sampling tops the batch up.
@@ -144,41 +162,58 @@ def train(
         run.rollouts.pause()
         if (waited := run.rollouts.waited()) is not None:
             metrics["time_waiting_for_generation_s"] = waited
-        run.engine.sync_weights(step)
-        # What the engine computes otherwise on the weights it just received (off-policy runs).
-        metrics.update(merge_sampler_kl(metrics, run.probe_sampler(samples)))
+        down: EngineDownError | None = None
+        try:
+            run.engine.sync_weights(step)
+            metrics.update(run.engine.step_metrics())
+            # What the engine computes otherwise on the weights it just received.
+            metrics.update(merge_sampler_kl(metrics, run.probe_sampler(samples)))
+        except EngineDownError as e:
+            down = e  # the step is trained: it is logged and saved, then the run stops
         t2 = time.perf_counter()
         # 5. Evaluation, metrics, checkpoint.
         improved = False
-        if run.is_eval_step(step, total):
-            metrics.update(run.evaluate(step))
-            value = metrics["eval_reward_mean"]
-            best = run.best_eval
-            improved = recipe.eval.keep_best and (best is None or value > best["value"])
-            if improved:
-                run.best_eval = {"step": step, "value": value}
+        if down is None and run.is_eval_step(step, total):
+            try:
+                metrics.update(run.evaluate(step))
+            except EngineDownError as e:
+                down = e
+            else:
+                value = metrics["eval_reward_mean"]
+                best = run.best_eval
+                improved = recipe.eval.keep_best and (best is None or value > best["value"])
+                if improved:
+                    run.best_eval = {"step": step, "value": value}
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         metrics.update(
             time_rollout_s=t1 - t0,
             time_train_s=t2 - t1,
             step_time_s=t2 - t0,
             train_tokens_per_s=tokens / max(t2 - t1, 1e-9),
+            # The loop's time lost to checkpoints since the last step's report (the previous
+            # step's save, this one's publication of a background save).
+            checkpoint_blocked_s=run.checkpoints.take_blocked_s(),
         )
         run.logger.log(step, metrics)
         _report(bar, step, total, metrics)
         # A sampler that keeps disagreeing with the trainer stops the run (before its save).
-        kl_guard.check(step, metrics)
+        run.kl_guard.check(step, metrics)
         stopping = stop.any_rank()
-        if step % recipe.run.checkpoint_every == 0 or step == total or stopping or improved:
+        due = step % recipe.run.checkpoint_every == 0 or step == total or stopping or improved
+        if due or down is not None:
             run.save(step, best=improved)
-        if rank0 and recipe.run.plot_every and (step % recipe.run.plot_every == 0 or step == total):
-            _plot(run_dir)
+        if down is not None:
+            _exit_engine_down(run, step, lock, down)
+        if plots is not None and step % recipe.run.plot_every == 0:
+            plots.request()
         if stopping:
             log.warning("SIGTERM: saved a checkpoint at step %d; exiting", step)
             break
         if step < total:
             run.rollouts.resume(version=step)
     run.close()
+    if plots is not None:
+        plots.close(final=not stopping)  # the run's last figures, drawn before it returns
     if bar is not None:
         bar.close()
     if stopping:
@@ -187,6 +222,17 @@ def train(
         _release(lock, run_dir)
         raise Preempted(step, run_dir)
     return _release(lock, run_dir)
+
+
+def _exit_engine_down(run: Session, step: int, lock, error: EngineDownError):
+    """End the run with exit 75 after the checkpoint of ``step``, as SIGTERM does (the marker
+    tells ``launch``): requeued, it resumes there once the engine samples again."""
+    log.error("%s", error)
+    run.close()
+    if dist.get_rank() == 0:
+        (run.run_dir / PREEMPTED).write_text(f"{step}\n")
+    _release(lock, run.run_dir)
+    raise Preempted(step, run.run_dir, why="as the rollout engine is down") from error
 
 
 def _release(lock, run_dir: Path) -> Path:
@@ -227,15 +273,6 @@ def staleness_metrics(samples: list[Sample], current_version: int) -> dict[str, 
         total = sum(ages.values()) or 1
         out.update({f"tokens_by_age/{k}": n / total for k, n in sorted(ages.items())})
     return out
-
-
-def _plot(run_dir: Path) -> None:
-    from megatron_gspo.run.plot import plot_run
-
-    try:
-        plot_run(run_dir)
-    except Exception as e:  # noqa: BLE001 - a failed plot must not end a training run
-        log.warning("plotting failed: %s", e)
 
 
 def _progress(total: int, start: int, *, enabled: bool):

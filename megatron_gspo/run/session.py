@@ -17,13 +17,14 @@ import yaml
 from megatron_gspo.config import Recipe
 from megatron_gspo.data.prompts import PromptStream
 from megatron_gspo.episodes.dynamic_sampling import fill_with_signal
-from megatron_gspo.episodes.rewards import RewardComputer
 from megatron_gspo.episodes.sampling import EpisodeSampler
 from megatron_gspo.episodes.scoring import Scorer
 from megatron_gspo.parallel import ParallelGroups
+from megatron_gspo.rewards.computer import RewardComputer
 from megatron_gspo.rollout import make_engine
 from megatron_gspo.run.checkpoint import Checkpointer
 from megatron_gspo.run.evaluation import eval_prompts, evaluate, is_eval_step
+from megatron_gspo.run.kl_guard import RolloutKLGuard
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.rundir import Start, begin
 from megatron_gspo.trainer.packing import Sample
@@ -59,8 +60,13 @@ class Session:
         self.sampler = EpisodeSampler(recipe, self.engine, self.stream)
         self.scorer = Scorer(recipe, self.rewards, tokenizer.decode if self.rank0 else None)
         self.checkpoints = Checkpointer(
-            run_dir / "checkpoints", self.policy, keep=recipe.run.keep_checkpoints
+            run_dir / "checkpoints",
+            self.policy,
+            keep=recipe.run.keep_checkpoints,
+            async_save=recipe.run.async_save,
         )
+        # Stops a run whose sampler keeps disagreeing with the trainer; its streak is saved.
+        self.kl_guard = RolloutKLGuard.from_recipe(recipe)
         self.start, self.best_eval = 0, None
         self._queued: list = []
 
@@ -74,6 +80,7 @@ class Session:
             self.stream.skipped = state.get("prompts_skipped", 0)
             self.best_eval = state.get("eval_best")
             self._queued = state.get("rollout_queue", [])
+            self.kl_guard.restore(state.get("kl_guard_streak"))
             log.info("resumed from %s at step %d", self.checkpoints.dir, self.start)
         elif self.recipe.run.init_from:
             self.policy.load_weights(self.recipe.run.init_from)
@@ -162,12 +169,14 @@ class Session:
                 "prompts_skipped": self.stream.skipped,
                 "rollout_queue": self.rollouts.state(),
                 "eval_best": self.best_eval,
+                "kl_guard_streak": self.kl_guard.state(),
             },
+            best=best,
         )
-        if best:
-            self.checkpoints.mark_best(step)
 
     def close(self) -> None:
+        # A save still being written is finished first: the run's last checkpoint is whole.
+        self.checkpoints.close()
         self.rollouts.close()
         self.logger.close()
         self.engine.close()

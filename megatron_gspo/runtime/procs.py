@@ -16,6 +16,7 @@ through :func:`kill_at_exit` are killed before that wait.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -23,7 +24,14 @@ import socket
 import sys
 import weakref
 
-__all__ = ["die_with_parent", "exiting", "free_port", "kill_at_exit", "local_world_env"]
+__all__ = [
+    "die_with_parent",
+    "exiting",
+    "forks_die_with_parent",
+    "free_port",
+    "kill_at_exit",
+    "local_world_env",
+]
 
 _HELPERS: weakref.WeakSet = weakref.WeakSet()
 _exiting = False
@@ -70,6 +78,41 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     # The parent may have died before the call: then nobody would send the signal.
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+# Whether a process forked now is a helper that must end with its parent (the flag is copied
+# into the child, so what the child forks in turn ends with it), and who its parent is.
+_FORKS_DIE = False
+_FORKING_PID = 0
+
+
+def _before_fork() -> None:
+    global _FORKING_PID
+    _FORKING_PID = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if _FORKS_DIE:
+        die_with_parent(_FORKING_PID)
+
+
+_HOOKED = False
+
+
+@contextlib.contextmanager
+def forks_die_with_parent():
+    """Processes forked in this scope by code we do not control (Megatron-Core's checkpoint
+    writers fork without an initializer) end with their parent, as :func:`die_with_parent`
+    children do, and so do the processes they fork."""
+    global _FORKS_DIE, _HOOKED
+    if not _HOOKED:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _HOOKED = True
+    previous, _FORKS_DIE = _FORKS_DIE, True
+    try:
+        yield
+    finally:
+        _FORKS_DIE = previous
 
 
 def free_port() -> int:

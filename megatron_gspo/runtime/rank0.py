@@ -14,18 +14,24 @@ __all__ = ["on_rank0"]
 T = TypeVar("T")
 
 
-def on_rank0(fn: Callable[..., T], *args: Any) -> T:
+def on_rank0(fn: Callable[..., T], *args: Any, share: bool = True) -> T:
     """``fn(*args)`` on global rank 0, its result (or its error, raised) on every rank.
 
     Collective. The error travels too, so the other ranks raise it instead of waiting in the
-    broadcast for a result that never comes."""
+    broadcast for a result that never comes: any error, ``BaseException`` included (a worker
+    thread's ``SystemExit`` or ``KeyboardInterrupt`` stored and raised on the main thread).
+    ``share=False``: the result stays on rank 0 (the other ranks get None), for what only
+    rank 0 keeps (a checkpoint's rollout queue); its error still reaches every rank."""
     if not dist.is_initialized():  # one process, no ranks: it is rank 0
         return fn(*args)
     out: list = [None]
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+    kept = None
+    if rank0:
         try:
-            out[0] = ("ok", fn(*args))
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            kept = fn(*args)
+            out[0] = ("ok", kept if share else None)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank below
             out[0] = ("error", e)
     if dist.get_world_size() > 1:
         if out[0] is not None and out[0][0] == "error" and not _travels(out[0][1]):
@@ -38,7 +44,7 @@ def on_rank0(fn: Callable[..., T], *args: Any) -> T:
     kind, value = out[0]
     if kind == "error":
         raise value
-    return value
+    return kept if rank0 and not share else value
 
 
 def _travels(error: BaseException) -> bool:

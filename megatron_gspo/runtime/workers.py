@@ -4,7 +4,8 @@ User code can raise, hang, exhaust memory or kill its own process. It therefore 
 processes of our own, and every call has a deadline of its own, counted from the moment a
 worker starts it: a worker still busy when its call's deadline passes is killed and replaced at
 once, and the calls not yet started go to the other workers. A hung call costs that call and
-one deadline of one worker slot, never the batch it belongs to.
+one deadline of one worker slot, never the batch it belongs to. Time the trainer spends stopped
+(SIGSTOP, a suspended Slurm job) does not count against a deadline.
 
 Each worker takes one call at a time over a pipe of its own, so the pool always knows which
 call a worker runs and since when. A dispatcher thread does that bookkeeping, so calls can be
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 _MAX_FAILED_STARTS = 3
 # How long a worker may take to import and build its handler.
 _START_TIMEOUT_S = 120.0
+# A dispatcher wait that returns this much past its timeout means the trainer was stopped
+# (SIGSTOP, Slurm's `scontrol suspend`, a host paused), not that a worker was slow.
+_STOPPED_S = 5.0
 
 
 class WorkerPoolError(RuntimeError):
@@ -56,7 +60,8 @@ class Outcome:
     value: Any = None
     # Why it failed: the exception and its message, or the deadline that passed.
     message: str = ""
-    # Seconds from the moment a worker started the call to its answer (or to its kill).
+    # Seconds from the moment a worker started the call to its answer (or to its kill), less
+    # any time the trainer was seen stopped.
     seconds: float = 0.0
 
     @property
@@ -218,6 +223,9 @@ class WorkerPool:
             if ready is self._wake_r:
                 while self._wake_r.poll():
                     self._wake_r.recv()
+        waited = time.monotonic() - now
+        if timeout is not None and waited > timeout + _STOPPED_S:
+            self._not_counting(waited)
         for w in list(self._workers):
             self._poll(w)
         now = time.monotonic()
@@ -237,6 +245,19 @@ class WorkerPool:
                         seconds=now - started,
                     )
                 )
+
+    def _not_counting(self, seconds: float) -> None:
+        """Move every running deadline ``seconds`` later: the wait that took them could not
+        run, so neither could the workers it waited for (a stopped job stops every process of
+        it), and a call stopped half-way is not a hung call. A call gains the stop plus at most
+        what was left of the nearest deadline when the wait began."""
+        log.warning("%s pool: the trainer was stopped for %.0f s; deadlines moved by as much",
+                    self.name, seconds)  # fmt: skip
+        for w in self._workers:
+            w.started += seconds
+            if w.job is not None:
+                future, call, started = w.job
+                w.job = (future, call, started + seconds)
 
     def _fill(self) -> None:
         """Start workers up to the pool's size, while there is work for them."""

@@ -22,6 +22,7 @@ layout, while the aux loss keeps Megatron's own mean.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -384,13 +385,16 @@ class GSPOTrainer:
         if from_rollout and any(s.rollout_logprobs is None for s in samples):
             raise InputError("train.old_logprobs=rollout needs log-probs from the rollout engine")
         # Micro-batches carry the rollout's log-probs as old ones until recomputed.
+        t0 = time.perf_counter()
         plans = self.plan(samples)
         metrics: dict[str, float] = {}
         stats = self.policy.router_stats
         if stats is not None:
             stats.clear()
+        t1 = time.perf_counter()
         if not from_rollout:
             metrics.update(self.compute_old_logprobs(plans, version))
+        t2 = time.perf_counter()
         if self.policy.reference is not None:
             self.compute_reference_logprobs(plans)
         if self.correction.mode != "none":
@@ -411,6 +415,10 @@ class GSPOTrainer:
                 "train.off_policy_correction's band or check the rollout engine's log-probs"
             )
         metrics.update({k: sum(v) / len(v) for k, v in per_mini.items()})
+        # Where a step's time goes on this rank (benchmarks/step_time.py reads them).
+        metrics.update(
+            time_plan_s=t1 - t0, time_old_logprobs_s=t2 - t1, time_update_s=time.perf_counter() - t2
+        )
         if from_rollout and "rollout_kl_k3" in metrics and _all_of(samples, version):
             # The first mini-batch's forward measured every token, each sampled by these weights.
             first = plans[0].samples

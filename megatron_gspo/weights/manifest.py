@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ class CheckpointError(UserError, RuntimeError):
 
 
 MANIFEST = "manifest.json"
+# Each rank's hashes of the files it wrote, until the manifest gathers them.
+HASHES_FILE = ".sha256_rank{rank:05d}.json"
 
 
 def sha256_of(path: Path) -> str:
@@ -35,8 +38,31 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checksummed_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+# torch_dist names the shard files a rank writes "__<rank>_<n>.distcp"; the rng files are ours.
+_OWNED = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng_rank(\d+)\.pt)$")
+
+
+def owner_of(name: str) -> int:
+    """The rank that wrote a checkpoint file (rank 0 writes the common files)."""
+    m = _OWNED.match(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def hash_files(paths: list[Path], directory: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {bytes, sha256}}`` of files just written (still in the page cache)."""
+    return {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in paths
+    }
+
+
+def write_then_hash(write, directory: str, rank: int, buckets, *args) -> None:
+    """In the process Megatron forks to write a rank's shards: write them, then hash them from
+    the page cache into a file the finalization gathers."""
+    write(rank, buckets, *args)
+    root = Path(directory)
+    hashes = hash_files([Path(b[0]) for b in buckets], root)
+    (root / HASHES_FILE.format(rank=rank)).write_text(json.dumps(hashes))
 
 
 class UnverifiedCheckpointError(CheckpointError):

@@ -5,6 +5,7 @@ of a converted one). Used where a checkpoint is loaded (the policy, resuming) an
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import yaml
 
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.runtime.errors import InputError
+
+_NOT_MODEL = re.compile(r"(chained_\d+\.)?optimizer\.|reference\.")
 
 
 class ModelMismatchError(InputError):
@@ -36,11 +39,9 @@ def model_mismatch(
     from megatron_gspo.weights.dist_ckpt import _saved_shapes
     from megatron_gspo.weights.shards import VOCAB_TENSORS
 
-    saved = {
-        k: v
-        for k, v in _saved_shapes(directory).items()
-        if not k.startswith(("optimizer.", "reference."))
-    }
+    # The optimizer's state (under "chained_<i>.optimizer." in Megatron's dp_reshardable
+    # format) and the frozen reference policy are not the model's.
+    saved = {k: v for k, v in _saved_shapes(directory).items() if not _NOT_MODEL.match(k)}
     first = None
     for key, shape in expected.items():
         have = saved.get(key)

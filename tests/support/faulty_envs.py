@@ -6,7 +6,7 @@ import json
 import time
 
 from megatron_gspo.episodes.environment import Step
-from megatron_gspo.episodes.relay import RelayDigits
+from megatron_gspo.episodes.task_envs import RelayDigits
 from megatron_gspo.episodes.tool_env import ToolCalling
 
 

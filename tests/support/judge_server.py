@@ -12,7 +12,7 @@ import re
 import threading
 import time
 
-from megatron_gspo.episodes.rewards import digit_match
+from megatron_gspo.rewards.functions import digit_match
 from tests.support.json_http import JsonHandler, LocalServer
 
 TEMPLATE = "Q:{prompt}|R:{response}|A:{answer}|"

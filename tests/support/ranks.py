@@ -44,13 +44,30 @@ def _context():
     return ctx
 
 
+class _PortTaken(RuntimeError):
+    """Rank 0's store could not listen: the free port was taken before it bound it."""
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600
 ) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be importable (module level) and its result picklable; tensors come back on CPU.
+    A port found free can be taken by another process (CI runs two test sessions side by side)
+    before rank 0 listens on it; the ranks then fail in ``init_process_group``, before ``fn``
+    ran, and are started again on another port.
     """
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
@@ -91,5 +108,8 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RuntimeError("\n".join(errors))
+        text = "\n".join(errors)
+        if "EADDRINUSE" in text and "init_process_group" in text:
+            raise _PortTaken(text)
+        raise RuntimeError(text)
     return [results[r] for r in range(world_size)]

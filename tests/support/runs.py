@@ -118,3 +118,11 @@ def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for needle in needles:
         assert needle in proc.stderr, proc.stderr[-3000:]
+
+
+def assert_no_sample_lost(records: list[dict]) -> None:
+    """No reward, environment or group failed at any step of ``records`` (metrics.jsonl)."""
+    for r in records:
+        for key in ("reward_errors", "reward_timeouts", "env_errors", "env_timeouts",
+                    "groups_dropped_on_error"):  # fmt: skip
+            assert r.get(key, 0) == 0, f"step {r['step']}: {key} = {r[key]}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 
-from megatron_gspo.episodes.sandbox import PythonToolConfig, run_python
+from megatron_gspo.toolbox.python_config import PythonToolConfig
+from megatron_gspo.toolbox.sandbox import run_python
 from tests.support.json_http import JsonHandler, LocalServer
 
 

@@ -18,6 +18,7 @@ from megatron_gspo.rollout.vllm import (
     VLLMUnavailableError,
     wait_until_healthy,
 )
+from megatron_gspo.rollout.vllm.server_command import on_ready_hook
 from tests.support.ranks import run_distributed
 from tests.support.runs import train_run
 from tests.support.vllm_tiny import (
@@ -49,6 +50,8 @@ def start_server(model_dir: Path, log: Path, request, **server) -> VLLMServer:
         srv.stop()
         pytest.fail(f"{e}\n--- server log ({log}) ---\n{srv.log_tail()}")
     print(f"vllm server on {model_dir.name} ready in {time.monotonic() - start:.1f} s")
+    if (ready := on_ready_hook()) is not None:  # as launch and serve_vllm.py do
+        ready(srv.proc.pid)
     srv.failed_before = request.session.testsfailed
     return srv
 
@@ -245,7 +248,7 @@ moe_sync_layouts = pytest.mark.parametrize(
 def train_with_vllm(rank, world, data: dict, steps: int, key: str):
     import os
 
-    from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+    from megatron_gspo.rollout.vllm.server_command import JOB_KEY_ENV
 
     os.environ[JOB_KEY_ENV] = key
     train_run(rank, world, data, steps, True)
@@ -253,7 +256,7 @@ def train_with_vllm(rank, world, data: dict, steps: int, key: str):
 
 def servers_of(server, timeout_s: float = 120.0):
     """vLLM's RL routes of one test server, with its key."""
-    from megatron_gspo.rollout.vllm.routes import Servers
+    from megatron_gspo.rollout.vllm.rl_api import Servers
 
     return Servers(VLLMClient([server.url], api_key=server.key), timeout_s=timeout_s)
 

@@ -15,8 +15,10 @@ fail with "Head dimension ... is not supported by MLA").
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -196,7 +198,7 @@ def _write_dense_qwen3(path: Path, seed: int, arch: str, **extra) -> Path:
 
 
 class VLLMServer:
-    """A vLLM server as this project starts them (:mod:`megatron_gspo.rollout.vllm.server`:
+    """A vLLM server as this project starts them (:mod:`megatron_gspo.rollout.vllm.server_command`:
     weight transfer engine, job-key middleware, dev mode), on 127.0.0.1, its output in a log
     file."""
 
@@ -214,9 +216,14 @@ class VLLMServer:
     ) -> None:
         """``env``: more of the server's environment; ``weight_transfer``: the backend of
         vLLM's RL API the trainer syncs through; ``extra_args``: more of vLLM's options;
-        ``mla``: the model has multi-latent attention (``local_server.CPU_MLA_ARGS``)."""
+        ``mla``: the model has multi-latent attention (``single_node.CPU_MLA_ARGS``)."""
         self.weight_transfer = weight_transfer
-        from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+        from megatron_gspo.rollout.vllm.server_command import (
+            RPC_DIR_ENV,
+            new_job_key,
+            server_command,
+            server_env,
+        )
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -225,12 +232,14 @@ class VLLMServer:
         env = {**server_env(self.key), **(env or {})}
         # GiB of KV cache on the CPU backend; the default asks for far more than a test needs.
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        self._rpc_dir = tempfile.mkdtemp(prefix="gspo-server-")  # removed in stop()
+        env[RPC_DIR_ENV] = self._rpc_dir
         extra = ["--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len)]
-        # A budget that never splits a prefill (see local_server.cpu_serving_args).
+        # A budget that never splits a prefill (see single_node.cpu_serving_args).
         extra += ["--max-num-seqs", "64", "--seed", "0"]
         extra += ["--max-num-batched-tokens", str(64 * max_model_len), *extra_args]
         if mla:
-            from megatron_gspo.rollout.vllm.local_server import CPU_MLA_ARGS
+            from megatron_gspo.rollout.vllm.single_node import CPU_MLA_ARGS
 
             extra += CPU_MLA_ARGS
         cmd = server_command(
@@ -265,3 +274,4 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         self._log.close()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)

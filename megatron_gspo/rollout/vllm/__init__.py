@@ -1,28 +1,31 @@
-"""The vLLM rollout engine: a client of vLLM servers that this trainer keeps in sync.
+"""The vLLM rollout engine: vLLM servers that this trainer samples from and keeps in sync.
 
-One role a module:
+The HTTP boundary splits the modules in two. Trainer side (this folder; every module's first
+line says "Trainer side"):
 
-* :mod:`.client`: HTTP (completions, worker RPCs, health);
 * :mod:`.engine`: :class:`VLLMEngine`, the rollout engine (generation, versions, sync driver);
-* :mod:`.routes`: vLLM's RL API (pause, weight updates, versions) of every server;
-* :mod:`.sync`: the trainer's side of the weight sync through those routes, in memory or by disk;
-* :mod:`.transport`: the manifest, buckets and process group both sides share;
-* :mod:`.engines`: the weight transfer engine that runs inside every vLLM server on a CPU, and
-  :mod:`.plugin`, which registers it (with the MLA rotary correction) in every vLLM process;
-* :mod:`.auth`: the middleware that closes the server's routes to callers without the job key;
-* :mod:`.server`: the command line and environment every server is started with;
-* :mod:`.export`: the disk fallback's Hugging Face checkpoint.
+* :mod:`.http_client`: HTTP to the servers (completions, RL-route calls, health), retried;
+  :mod:`.errors` what it raises; :mod:`.in_flight` generation across weight updates;
+* :mod:`.rl_api`: vLLM's RL API (pause, weight updates, versions) of every server, and
+  :mod:`.versions` the version labels it reads;
+* :mod:`.weight_sync`: the sync through those routes, in memory or by disk
+  (:mod:`.hf_export` writes the disk fallback's checkpoint);
+* :mod:`.server_command`: the command line and environment every server is started with, and
+  :mod:`.single_node`: servers on this machine for single-node runs, tests and benchmarks.
+
+Inside vLLM's processes (:mod:`.server_side`): the project's vLLM plugin, the weight transfer
+engine it registers, the job-key middleware of the API server and the CPU rotary correction.
+Both sides import :mod:`.wire`: the manifest, buckets and process group of the in-memory sync.
 """
 
-from megatron_gspo.rollout.vllm.client import (
+from megatron_gspo.rollout.vllm.engine import VLLMEngine
+from megatron_gspo.rollout.vllm.errors import VLLMRequestError, VLLMUnavailableError
+from megatron_gspo.rollout.vllm.http_client import (
     URLS_ENV,
     VLLMClient,
-    VLLMRequestError,
-    VLLMUnavailableError,
     resolve_urls,
     wait_until_healthy,
 )
-from megatron_gspo.rollout.vllm.engine import VLLMEngine
 
 __all__ = [
     "URLS_ENV",

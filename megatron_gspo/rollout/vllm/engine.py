@@ -1,14 +1,19 @@
-""":class:`VLLMEngine`: the rollout engine backed by vLLM servers.
+"""Trainer side: :class:`VLLMEngine`, the rollout engine backed by vLLM servers.
 
 Only global rank 0 talks to the servers. :meth:`VLLMEngine.generate` broadcasts the result (or
 rank 0's error) to every rank, since every rank needs the batch; :meth:`VLLMEngine.sync_weights`
 is collective because gathering the trainer's shards is.
 
 Versions are vLLM's own: every sync ends with ``/finish_weight_update`` naming the trainer's
-version, and a server reports ``partial`` while one is under way (:mod:`.sync`). Every
-generation first asks each server for its ``/weight_info``, refuses to sample from one that
-holds anything but the last synced version (a half-finished sync, a restarted server), and
-stamps each completion with the version that produced it.
+version, and a server reports ``partial`` while one is under way (:mod:`.weight_sync`). The
+servers are a fleet (:mod:`.fleet`): probed in a thread on rank 0, and again before every
+generation, a server serves only while it answers and holds the last synced version (a
+half-finished sync or a restarted server makes it stale until the next sync brings it back),
+requests go to the least loaded serving server and move when theirs fails, and each
+completion is stamped with the version that produced it. A sync goes to every server that
+answers; one that fails during it is left out and the sync done again for the others. Fewer
+serving servers than ``rollout.vllm.min_servers`` raise :class:`~.fleet.FleetDownError`
+(the loop checkpoints and exits 75).
 
 With ``in_flight`` (``rollout.in_flight_updates.mode``) a sync does not wait for generation:
 the pipeline's thread keeps requesting while the main thread syncs (:mod:`.in_flight`). A
@@ -29,14 +34,11 @@ import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig, VLLMConfig
 from megatron_gspo.rollout.protocol import Capabilities, RolloutRequest, RolloutResult
-from megatron_gspo.rollout.vllm.client import (
-    VLLMClient,
-    VLLMRequestError,
-    resolve_urls,
-    wait_until_healthy,
-)
-from megatron_gspo.rollout.vllm.routes import Servers
-from megatron_gspo.rollout.vllm.server import JOB_KEY_ENV
+from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+from megatron_gspo.rollout.vllm.fleet import DEAD, SUSPECT, Fleet, FleetDownError
+from megatron_gspo.rollout.vllm.http_client import VLLMClient, resolve_urls, wait_until_healthy
+from megatron_gspo.rollout.vllm.rl_api import Servers
+from megatron_gspo.rollout.vllm.server_command import JOB_KEY_ENV
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.rank0 import on_rank0
 
@@ -64,7 +66,7 @@ class VLLMEngine:
         urls: Sequence[str] | None = None,
         api_key: str | None = None,
         retry_backoff_s: float = 1.0,
-        health_timeout_s: float | None = None,
+        wait_healthy_s: float | None = None,
         in_flight: str | None = None,
     ) -> None:
         self.config = config
@@ -77,6 +79,7 @@ class VLLMEngine:
         self.last_sync: dict[str, float] = {}
         self.client: VLLMClient | None = None
         self.servers: Servers | None = None
+        self.fleet: Fleet | None = None
         self._sync = None
         self.in_flight = in_flight
         # Set while no sync is under way: generation threads wait on it (in_flight).
@@ -94,10 +97,16 @@ class VLLMEngine:
                 in_flight=in_flight,
                 wait_for_weights=self.wait_for_weights,
                 weights_version=lambda: self.version,
+                health_timeout_s=config.health_timeout_s,
             )
+            self.fleet = self.client.fleet
+            self.fleet.min_servers = config.min_servers
+            self.fleet.max_seqs = config.max_seqs_per_server
             self.servers = Servers(self.client, timeout_s=config.sync_timeout_s)
-        if health_timeout_s is not None:
-            self._on_rank0(lambda c: wait_until_healthy(c.urls, health_timeout_s))
+        if wait_healthy_s is not None:
+            self._on_rank0(lambda c: wait_until_healthy(c.urls, wait_healthy_s))
+        if self.fleet is not None:
+            self.fleet.start_monitor()
 
     def _on_rank0(self, fn):
         """``fn(client)`` on rank 0; every rank returns its result or raises its error."""
@@ -126,22 +135,16 @@ class VLLMEngine:
             )
 
     def check_versions(self) -> dict[str, Any]:
-        """Every server's weights version, refusing a failed sync or a server that holds
-        another version than the last synced one (rank 0). A sync under way is waited for."""
+        """The version of every serving server, after probing them all (rank 0): a server that
+        holds another version than the last synced one is stale and gets no requests. A sync
+        under way is waited for; a failed one is refused."""
+        assert self.fleet is not None
         while True:
             self.wait_for_weights()
-            versions = self.server_versions()
+            self.fleet.probe_all()
             if self._weights_ready.is_set():  # else a sync began meanwhile: read after it
                 break
-        if self.version is not None:
-            stale = {u: v for u, v in versions.items() if v != self.version}
-            if stale:
-                detail = ", ".join(f"{u} holds {v!r}" for u, v in stale.items())
-                raise VLLMRequestError(
-                    f"vLLM servers do not hold the trainer's weights version {self.version}: "
-                    f"{detail} (a failed sync or a restarted server)"
-                )
-        return versions
+        return {u: self.fleet.servers[u].version for u in self.fleet.serving()}
 
     # -- the engine protocol -----------------------------------------------------------------
 
@@ -150,12 +153,11 @@ class VLLMEngine:
         beside the trainer's); each completion is stamped with its server's weights version."""
         assert self.client is not None, "generate_rank0 runs on global rank 0"
         versions = self.check_versions()
-        result = self.client.generate(request)
-        for i, group in enumerate(result.completions):
-            version = versions[self.client.server_for(i)]
+        groups, urls = self.client.generate_on_servers(request)
+        for group, url in zip(groups, urls, strict=True):
             for c in group:
-                c.stamp(version)
-        return result
+                c.stamp(versions.get(url, self.version))
+        return RolloutResult(groups)
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Sample on the servers; collective: every rank receives the same result."""
@@ -173,45 +175,106 @@ class VLLMEngine:
         return self._on_rank0(lambda client: self.score_rank0(sequences))
 
     def sync_weights(self, version: int) -> None:
-        """Push the trainer's weights to every server as ``version``. Collective."""
+        """Push the trainer's weights to every server that answers as ``version``; a server
+        that fails the sync is left out and the sync done again for the others (the trainer's
+        shards gathered again). Collective."""
         if self.model is None:
             raise ValueError("VLLMEngine.sync_weights needs the policy model (model=...)")
         from megatron_gspo.weights.hf import HFMapping
         from megatron_gspo.weights.stream import iter_full_tensors
 
         mapping = HFMapping(self.model_config)
-        tensors = mapping.iter_hf(iter_full_tensors(self.model, mapping, dst=0))
-        outcome: tuple[str, Any] = ("ok", None)
         self._weights_ready.clear()
         try:
-            if self.rank == 0:
-                try:
-                    outcome = ("ok", self._sync_driver(mapping).push(tensors, version))
-                except Exception as e:  # noqa: BLE001 - reported on every rank below
-                    outcome = ("error", e)
-            # Other ranks (and rank 0 after a failure) still drive the gather to its end.
-            for _ in tensors:
-                pass
-
-            def finish(client: VLLMClient) -> dict[str, float]:
-                status, value = outcome
-                if status == "error":
-                    raise value
-                return value.metrics()
-
             # Until every rank has the outcome; a failure leaves it set (nothing is sampled).
             self._failed_sync = version
-            self.last_sync = self._on_rank0(finish)
+            tried: list[list[str]] = []
+            while True:
+                tensors = mapping.iter_hf(iter_full_tensors(self.model, mapping, dst=0))
+                outcome: tuple[str, Any] = ("ok", None)
+                if self.rank == 0:
+                    try:
+                        tried.append(self._sync_targets())
+                        # Until the outcome is known (finish): the servers' labels meanwhile
+                        # are the sync's, not a reason to take them out.
+                        self.fleet.syncing = True
+                        report = self._sync_driver(mapping).push(tensors, version, tried[-1])
+                        outcome = ("ok", report)
+                    except Exception as e:  # noqa: BLE001 - reported on every rank below
+                        outcome = ("error", e)
+                # Other ranks (and rank 0 after a failure) still drive the gather to its end.
+                for _ in tensors:
+                    pass
+
+                def finish(client: VLLMClient, outcome=outcome):
+                    status, value = outcome
+                    try:
+                        if status == "error":
+                            if self._left_out_after_failure(tried):
+                                return None  # again, without the servers that failed
+                            raise value
+                        return self._synced(version, tried[-1], value)
+                    finally:
+                        self.fleet.syncing = False
+
+                result = self._on_rank0(finish)
+                if result is not None:
+                    break
+            self.last_sync = result
             self.version, self._failed_sync = version, None
         finally:
             # Generation waiting on the sync wakes to its outcome (check_versions refuses a
             # failed one).
             self._weights_ready.set()
+        self._on_rank0(lambda client: self.fleet.check_minimum())
+
+    def _sync_targets(self) -> list[str]:
+        """The servers a sync goes to: every one that answers a probe now."""
+        assert self.fleet is not None
+        self.fleet.probe_all()
+        targets = [u for u in self.fleet.sync_targets() if self.fleet.state(u) != SUSPECT]
+        if not targets:
+            self.fleet.check_minimum()
+            raise FleetDownError(f"no vLLM server answers: {self.fleet.states()}")
+        return targets
+
+    def _left_out_after_failure(self, tried: list[list[str]]) -> bool:
+        """After a failed sync: whether some of its servers stopped answering (then the sync
+        is done again without them); False when every one still answers (the failure is not
+        a server's, and is raised)."""
+        assert self.fleet is not None
+        if not tried:  # no server answered to start with: nothing to leave out
+            return False
+        self.fleet.probe_all()
+        gone = [u for u in tried[-1] if self.fleet.state(u) in (SUSPECT, DEAD)]
+        for url in gone:
+            self.fleet.mark_lost(url, "failed during a weight sync")
+        if gone:
+            log.warning("weight sync: %s stopped answering; syncing the others", ", ".join(gone))
+        return bool(gone) and len(tried) <= len(self.fleet.urls)
+
+    def _synced(self, version: int, targets: list[str], report) -> dict[str, float]:
+        """After a sync: the servers that report ``version`` serve, the rest are stale; the
+        step's sync and fleet figures."""
+        assert self.fleet is not None and self.servers is not None
+        held = self.servers.only(targets).versions_each()
+        for url, v in held.items():
+            if isinstance(v, BaseException):
+                self.fleet.mark_lost(url, f"no version after the sync: {v}")
+        self.fleet.synced(
+            version, {u: v for u, v in held.items() if not isinstance(v, BaseException)}
+        )
+        return {**report.metrics(), **self.fleet.take_metrics()}
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last sync's figures and the fleet's (servers serving, requests moved, servers
+        rejoined), the same on every rank."""
+        return dict(self.last_sync)
 
     def _sync_driver(self, mapping):
         """The sync through vLLM's RL routes, with the transport the servers were started for
-        (:mod:`.sync`), built once."""
-        from megatron_gspo.rollout.vllm import sync
+        (:mod:`.weight_sync`), built once."""
+        from megatron_gspo.rollout.vllm import weight_sync as sync
 
         if self._sync is not None:
             return self._sync
@@ -242,4 +305,6 @@ class VLLMEngine:
         return self._sync
 
     def close(self) -> None:
-        """Nothing to release: the servers belong to whoever started them."""
+        """Stop probing the servers; the servers themselves belong to whoever started them."""
+        if self.fleet is not None:
+            self.fleet.close()

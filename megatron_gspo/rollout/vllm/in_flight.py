@@ -1,4 +1,4 @@
-"""Generation that survives weight updates in flight (``rollout.in_flight_updates``).
+"""Trainer side: generation that survives weight updates in flight (``rollout.in_flight_updates``).
 
 vLLM's token-in/token-out route ``POST /inference/v1/generate`` (servers started with
 ``--enable-scale-out``, as ``launch`` starts them) reports, for every choice, which weights
@@ -8,7 +8,7 @@ version (``token_versions``), so a response begun on one version and finished on
 says so token by token, with each token's log-prob as the weights and cache that produced it
 computed it.
 
-How a sync treats the requests in flight is the sync's choice (:mod:`.sync`):
+How a sync treats the requests in flight is the sync's choice (:mod:`.weight_sync`):
 
 ``keep``
     ``/pause?mode=keep&clear_cache=false`` freezes them; after ``/resume`` they go on over the
@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from megatron_gspo.rollout.protocol import Completion, SamplingParams
+from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+from megatron_gspo.rollout.vllm.versions import parse_version
 from megatron_gspo.runtime.seeds import resubmit_seed
 
 __all__ = ["complete_versioned", "generate_body", "parse_choice"]
@@ -72,19 +74,17 @@ def generate_body(
     return body
 
 
-def parse_choice(url: str, choice: dict[str, Any], error) -> Completion:
+def parse_choice(url: str, choice: dict[str, Any]) -> Completion:
     """One choice of the route's answer, its tokens labelled with their versions;
-    ``finish_reason`` may be ``abort`` (the caller resubmits or fails). ``error`` is the
-    exception type to raise for a malformed answer."""
-    from megatron_gspo.rollout.vllm.routes import parse_version
-
+    ``finish_reason`` may be ``abort`` (the caller resubmits or fails); a malformed answer
+    raises :class:`VLLMRequestError`."""
     ids = choice.get("token_ids")
     content = (choice.get("logprobs") or {}).get("content")
     if ids is None or content is None or len(content) != len(ids):
-        raise error(f"vLLM server {url} returned no token_ids/logprobs from {ROUTE}")
+        raise VLLMRequestError(f"vLLM server {url} returned no token_ids/logprobs from {ROUTE}")
     spans = choice.get("weight_versions")
     if not spans and ids:
-        raise error(
+        raise VLLMRequestError(
             f"vLLM server {url} did not say which weights produced its tokens "
             "(weight_versions): rollout.in_flight_updates needs vLLM >= 0.32"
         )
@@ -92,7 +92,7 @@ def parse_choice(url: str, choice: dict[str, Any], error) -> Completion:
     for span in spans or []:
         label = parse_version(span["version"])
         if isinstance(label, str):
-            raise error(
+            raise VLLMRequestError(
                 f"vLLM server {url} generated tokens {span['start']}-{span['end']} while its "
                 f"weights were {label!r} (a half-finished sync)"
             )
@@ -101,7 +101,7 @@ def parse_choice(url: str, choice: dict[str, Any], error) -> Completion:
         )
     reason = choice.get("finish_reason")
     if reason not in ("stop", "length", "abort"):
-        raise error(f"vLLM server {url}: unexpected finish_reason {reason!r}")
+        raise VLLMRequestError(f"vLLM server {url}: unexpected finish_reason {reason!r}")
     # None is what vLLM writes for a -inf log-prob.
     lps = [float("-inf") if e.get("logprob") is None else float(e["logprob"]) for e in content]
     return Completion(
@@ -133,8 +133,6 @@ async def complete_versioned(
 ) -> list[Completion]:
     """``group_size`` samples of one prompt with per-token versions; aborted samples are
     resubmitted (``client.in_flight == "resubmit"``) or fail."""
-    from megatron_gspo.rollout.vllm.client import VLLMRequestError
-
     body = generate_body(prompt, params, seed, client.model, client.weights_version())
     answer = await client._post(http, url, ROUTE, body)
     choices = sorted(answer["choices"], key=lambda c: c["index"])
@@ -178,9 +176,7 @@ async def complete_versioned(
 
 
 def _with_routes(client, url: str, choice: dict[str, Any], params: SamplingParams) -> Completion:
-    from megatron_gspo.rollout.vllm.client import VLLMRequestError
-
-    c = parse_choice(url, choice, VLLMRequestError)
+    c = parse_choice(url, choice)
     if params.return_routes:
         c.routes = client._routes(url, choice)
     return c

@@ -1,4 +1,5 @@
-"""The disk fallback's checkpoint: the trainer's weights as a Hugging Face directory."""
+"""Trainer side: the disk fallback's checkpoint, the trainer's weights as a Hugging Face
+directory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A vLLM server on this machine for a recipe's model: single-node runs, tests, benchmarks.
+"""Trainer side: vLLM servers on this machine for a recipe's model (single-node runs, tests,
+benchmarks).
 
 :func:`write_served_model` writes a Hugging Face directory of the model's shape with random
 weights (the trainer replaces them with its own at start-up, through the weight sync) and a
@@ -22,7 +23,7 @@ from megatron_gspo.runtime.procs import free_port
 def write_served_model(directory: Path, cfg: ModelConfig, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from megatron_gspo.rollout.vllm.export import write_hf_checkpoint
+    from megatron_gspo.rollout.vllm.hf_export import write_hf_checkpoint
     from megatron_gspo.weights.hf import HFMapping
 
     g = torch.Generator().manual_seed(seed)
@@ -78,15 +79,26 @@ def served(
 ):
     """A vLLM server on ``model_dir`` as ``launch`` starts them; yields ``(url, key)``."""
     import os
+    import shutil
     import subprocess
+    import tempfile
     import time
 
-    from megatron_gspo.rollout.vllm.client import wait_until_healthy
-    from megatron_gspo.rollout.vllm.server import new_job_key, server_command, server_env
+    from megatron_gspo.rollout.vllm.http_client import wait_until_healthy
+    from megatron_gspo.rollout.vllm.server_command import (
+        RPC_DIR_ENV,
+        new_job_key,
+        on_ready_hook,
+        server_command,
+        server_env,
+    )
 
     key, port = new_job_key(), free_port()
     url = f"http://127.0.0.1:{port}"
-    full_env = {**server_env(key), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    rpc_dir = tempfile.mkdtemp(prefix="gspo-server-")
+    full_env = {
+        **server_env(key), "VLLM_CPU_KVCACHE_SPACE": "1", RPC_DIR_ENV: rpc_dir, **(env or {})
+    }  # fmt: skip
     cmd = server_command(
         str(model_dir),
         host="127.0.0.1",
@@ -96,6 +108,7 @@ def served(
     )
     log_path = model_dir.parent / "server.log"
     pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
@@ -109,6 +122,8 @@ def served(
                 tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
                 raise RuntimeError(f"{e}\n--- {log_path} ---\n{tail}") from None
             print(f"server ready in {time.perf_counter() - t0:.0f} s ({url})")
+            if (ready := on_ready_hook()) is not None:
+                ready(server.pid)
             yield url, key
         finally:
             os.killpg(server.pid, 15)
@@ -116,3 +131,4 @@ def served(
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, 9)
+            shutil.rmtree(rpc_dir, ignore_errors=True)

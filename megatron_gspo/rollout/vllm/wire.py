@@ -1,7 +1,8 @@
-"""The wire of the in-memory weight sync: a manifest of flat buckets and a process group.
+"""Both sides: the wire of the in-memory weight sync, a manifest of flat buckets and a process
+group.
 
-Both ends import this module: the trainer's sending rank (:mod:`.sync`) and the weight transfer
-engine inside every vLLM server (:mod:`.engines`).
+Both ends import this module: the trainer's sending rank (:mod:`.weight_sync`) and the weight
+transfer engine inside every vLLM server (:mod:`.server_side.transfer_engine`).
 
 Manifest
     The Hugging Face tensors of one sync, in the order they are sent, packed into buckets of at

@@ -3,10 +3,12 @@
 The service speaks SandboxFusion's API: ``POST {url}/run_code`` with ``{"code", "language":
 "python", "run_timeout", "memory_limit_MB"}``, answering ``{"status": "Success" | "Failed" |
 "SandboxError", "message", "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error",
-"return_code", "stdout", "stderr", "execution_time"}}``. The call keeps the local backend's
-contract: the same limits are asked for, the deadline is the tool's timeout plus a margin for
-the round trip, the output is cut the same way, and a failure (the code's, the service's, or
-no answer in time) is an error observation, counted like any failed tool call.
+"return_code", "stdout", "stderr", "execution_time"}}``. Of the tool's limits only two travel:
+the run timeout and the memory limit (``timeout_s``, ``memory_mb``), the only ones that API
+takes; file size, processes and CPU seconds are the service's own to set. The deadline is the
+tool's timeout plus a margin for the round trip, the output is cut as the local backend cuts
+it, and a failure (the code's, the service's, or no answer in time) is an error observation,
+counted like any failed tool call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-from megatron_gspo.episodes.sandbox import PythonResult, PythonToolConfig, observation_text
+from megatron_gspo.toolbox.python_config import PythonResult, PythonToolConfig, observation_text
 
 __all__ = ["ROUND_TRIP_S", "run_remote"]
 

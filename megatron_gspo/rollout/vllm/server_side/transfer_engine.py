@@ -1,4 +1,4 @@
-"""The weight transfer engines this project registers with vLLM (its RL API), worker side.
+"""Inside vLLM's workers: the weight transfer engine this project registers with vLLM's RL API.
 
 vLLM 0.32's RL API (``VLLM_SERVER_DEV_MODE=1``) drives a weight update through HTTP routes:
 ``/init_weight_transfer_engine`` once, then per update ``/start_weight_update``, one or more
@@ -11,7 +11,7 @@ routes a cluster does. It carries the bytes two ways:
 
 in memory, over gloo
     The trainer's sending rank and every worker of every server form a group of their own
-    (:mod:`.transport`: a TCP store named by a random token that only the authenticated init
+    (:mod:`..wire`: a TCP store named by a random token that only the authenticated init
     request carries), and the trainer broadcasts flat buckets whose layout (the manifest) was
     agreed at init. The manifest is checked there against what the server serves: names,
     shapes and dtype.
@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_gspo.rollout.vllm.transport import Manifest, SyncGroup, receive_buckets
+from megatron_gspo.rollout.vllm.wire import Manifest, SyncGroup, receive_buckets
 
 __all__ = ["GspoEngine", "reset_fused_moe_kernels", "served_tensors"]
 
@@ -199,7 +199,7 @@ class GspoEngine(_CheckpointFormat):
 def check_manifest(manifest: Manifest, served: dict[str, list] | None, model_config) -> None:
     """Refuse, at init, a manifest that does not match what this server serves: a tensor it
     lacks or has in another shape, one the trainer would not send, or another dtype."""
-    from megatron_gspo.rollout.vllm.transport import expected_shapes
+    from megatron_gspo.rollout.vllm.wire import expected_shapes
 
     dtype = str(model_config.dtype).removeprefix("torch.")
     sent = {e.name: e for b in manifest.buckets for e in b}

@@ -1,8 +1,10 @@
-"""A tiny task where an early turn decides what a later one can earn (``data.task: recall_key``).
+"""The built-in tasks' environments: ``relay_digits`` (copy a digit string every turn, each
+revealed by the turn before) and ``recall_key`` (an early turn decides what a later one can
+earn), the tiny multi-turn tasks of :mod:`megatron_gspo.data.tasks`.
 
-Built to tell sequence-level credit from turn-level credit apart: the first turn's choice is
-rewarded only two turns later, while the middle turn earns a reward of its own whatever the
-first turn chose.
+``recall_key`` was built to tell sequence-level credit from turn-level credit apart: the first
+turn's choice is rewarded only two turns later, while the middle turn earns a reward of its
+own whatever the first turn chose.
 """
 
 from __future__ import annotations
@@ -10,9 +12,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_gspo.episodes.environment import Step
-from megatron_gspo.episodes.rewards import digit_match
+from megatron_gspo.rewards.functions import digit_match
 
-__all__ = ["RecallKey", "asked_key", "named_key"]
+__all__ = ["RecallKey", "RelayDigits", "asked_key", "named_key"]
+
+
+@dataclass
+class _RelayState:
+    targets: list[str]
+    turn: int = 0
+
+
+@dataclass
+class RelayDigits:
+    """The tiny multi-turn task (``data.task: relay_digits``): copy a digit string in every
+    turn, where each string after the first is revealed only by the environment's turn.
+
+    The record's answer holds one string per turn (``"12|4|907"``); the prompt shows the first
+    (``"12="``). After each model turn the environment rewards it with ``digit_match`` against
+    that turn's string and reveals the next one (``"4="``), until the strings run out. A
+    policy that ignores observations can earn the first turn's reward only.
+    """
+
+    separator: str = "|"
+
+    def reset(self, prompt: str, answer: str) -> _RelayState:
+        return _RelayState(answer.split(self.separator))
+
+    def step(self, state: _RelayState, action: str) -> Step:
+        reward = digit_match(action, state.targets[state.turn])
+        turn = state.turn + 1
+        done = turn == len(state.targets)
+        observation = "" if done else f"{state.targets[turn]}="
+        return Step(observation, reward, done, _RelayState(state.targets, turn))
 
 
 def asked_key(cue: str) -> int:

@@ -3,12 +3,14 @@
 
 ``judge`` asks an OpenAI-compatible chat-completions server (vLLM or any other; ``url`` ends in
 ``/v1``) to grade each response: ``template`` is formatted with ``{prompt}``, ``{response}`` and
-``{answer}`` into the user message (``system`` optional), and the last match of
-``score_pattern`` in the reply (its first group) is the score. ``reward_model`` asks vLLM's
-``/classify`` route (or ``/pooling``, ``route: pooling``, for a model that scores every token:
-the last one's) for a scalar reward model's raw score (``use_activation: false``): the text
-is ``template`` formatted as above, or, without one, the prompt and the response as a user and
-an assistant message, which the server renders with its model's chat template.
+``{answer}`` into the user message (``system`` optional), and the last score the reply gives is
+the reward (:func:`parse_score`: ``Score: 0.8``, ``**score:** 7/10``, ``Score: 1e-3.``; a
+``score_pattern`` of the recipe's, whose first group is the score, replaces the label's).
+``reward_model`` asks vLLM's ``/classify`` route (or ``/pooling``, ``route: pooling``, for a
+model that scores every token: the last one's) for a scalar reward model's raw score
+(``use_activation: false``): the text is ``template`` formatted as above, or, without one, the
+prompt and the response as a user and an assistant message, which the server renders with its
+model's chat template.
 
 A step's requests are in flight together from one asyncio event loop (``httpx``), at most
 ``max_concurrency`` at a time; each has ``reward.timeout_s`` as its deadline; connection
@@ -30,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_gspo.rewards.value import reward_value
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.workers import Outcome
 
@@ -41,6 +44,7 @@ __all__ = [
     "ServedReward",
     "ServerDown",
     "check_served",
+    "parse_score",
 ]
 
 REWARD_URLS_ENV = "MEGATRON_GSPO_REWARD_URLS"
@@ -67,7 +71,9 @@ class _Served(BaseModel):
 class JudgeKwargs(_Served):
     template: str = DEFAULT_JUDGE_TEMPLATE
     system: str | None = None
-    score_pattern: str = r"Score:\s*(-?[0-9.]+)"
+    # None: parse_score's label ("Score:", any case, markdown emphasis around it); a pattern of
+    # the recipe's takes its place, its first group the score.
+    score_pattern: str | None = None
     max_tokens: int = Field(256, ge=1)
     temperature: float = 0.0
 
@@ -90,7 +96,7 @@ def _kwargs(name: str, kwargs: dict, where: str) -> _Served:
     except ValidationError as e:
         detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
         raise InputError(f"{where}.kwargs: {detail}") from None
-    if isinstance(parsed, JudgeKwargs):
+    if isinstance(parsed, JudgeKwargs) and parsed.score_pattern is not None:
         try:
             if re.compile(parsed.score_pattern).groups < 1:
                 raise InputError(f"{where}.kwargs.score_pattern needs a group: the score")
@@ -239,15 +245,9 @@ class ServedReward:
         return f"/{k.route}", body
 
     def _value(self, answer: dict) -> float:
-        from megatron_gspo.episodes.rewards import reward_value
-
         if isinstance(self.kwargs, JudgeKwargs):
             text = answer["choices"][0]["message"]["content"] or ""
-            found = re.findall(self.kwargs.score_pattern, text)
-            if not found:
-                raise ValueError(f"no score in the judge's reply: {text[-200:]!r}")
-            last = found[-1]
-            return reward_value(float(last[0] if isinstance(last, tuple) else last))
+            return reward_value(parse_score(text, self.kwargs.score_pattern))
         if self.kwargs.route == "classify":
             return reward_value(float(answer["data"][0]["probs"][0]))
         out = answer["data"][0]["data"]
@@ -256,3 +256,36 @@ class ServedReward:
         if len(out) != 1:
             raise ValueError(f"/pooling gave {len(out)} values, a scalar reward model gives one")
         return reward_value(float(out[0]))
+
+
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+# The label in any case, markdown emphasis around it and its colon ("**Score:** 0.8",
+# "score = 1"), then a number, or a fraction of a scale ("7/10").
+_SCORE = re.compile(
+    rf"\bscore[*_ \t]*[:=][*_ \t]*({_NUMBER}(?:[ \t]*/[ \t]*{_NUMBER})?)", re.IGNORECASE
+)
+_VALUE = re.compile(rf"({_NUMBER})(?:\s*/\s*({_NUMBER}))?")
+
+
+def parse_score(text: str, pattern: str | None = None) -> float:
+    """The last score a judge's reply gives: ``Score: 0.5.`` is 0.5, ``Score: 1e-3`` 0.001,
+    ``Score: 7/10`` 0.7 (a fraction of its scale), ``**Score:** 0.8`` 0.8, ``score: 1`` 1.
+    ``pattern`` replaces the label's: its first group (the last match's) is the score, read the
+    same way. ValueError for a reply that gives none."""
+    if pattern is None:
+        found = _SCORE.findall(text)
+    else:
+        found = [m if isinstance(m, str) else m[0] for m in re.findall(pattern, text)]
+    for raw in reversed(found):
+        # A pattern of the recipe's may catch trailing punctuation: read the number it starts.
+        value = _VALUE.match(raw.strip().strip("*_"))
+        if value is None:
+            continue
+        number = float(value.group(1))
+        if value.group(2) is None:
+            return number
+        scale = float(value.group(2))
+        if scale == 0:
+            raise ValueError(f"the judge's score {raw!r} is a fraction of 0")
+        return number / scale
+    raise ValueError(f"no score in the judge's reply: {text[-200:]!r}")

@@ -1,34 +1,6 @@
-"""Running a model's Python code where it can reach nothing it mustn't.
-
-Code a model writes under RL is an adversary's code: a policy finds any path to its reward
-(reading a data file's answers, rewriting a checkpoint, killing a sibling). The ``python``
-tool therefore runs it in one of (``rollout.multi_turn.env_kwargs.python``, validated as
-:class:`PythonToolConfig`):
-
-``backend: local`` (the default), inside bubblewrap (``bwrap``, Debian's ``bubblewrap``)
-    A fresh interpreter (``python -I``) that sees a read-only view of what it needs (``/usr``,
-    ``/lib``, the interpreter's prefix, the ``packages`` the recipe lets it import) and nothing
-    else of the machine: not the checkout, the data, the run directory or ``/home``; a private
-    writable scratch directory as its working directory and a private ``/tmp``; its own PID
-    namespace (no other process visible or reachable), no network (not even the host's
-    loopback), no capabilities, ``--die-with-parent``. Where the trainer runs as root, bwrap is
-    started as an unprivileged uid of its own (the code owns nothing on the host, and the
-    process limit counts its processes alone). Limits: wall clock (the whole sandbox is killed),
-    memory (address space), CPU seconds, file size, processes, output.
-``backend: http``
-    A SandboxFusion-compatible code-execution service (its ``POST /run_code``), for clusters
-    whose trainer nodes must not run model code at all (:mod:`.sandbox_http`).
-
-Where bwrap is missing or the kernel refuses its namespaces, the tool runs nothing: every call
-is an error observation naming why and what to install. ``sandbox: unsafe_local`` runs the code
-anyway with the old protections only (a private network namespace, rlimits; the filesystem and
-processes in view), with a warning on every run.
-
-What this promises: the code cannot read, write or signal anything of the host beyond its
-scratch directory and the read-only system files an interpreter needs, cannot reach the network,
-and cannot outlive its deadline or exceed its limits. What it does not: a kernel exploit
-(bwrap's namespaces are the kernel's), side channels, or the CPU time of other jobs on the node.
-"""
+"""The python tool's local backend: model code inside bubblewrap (``backend: local``), or, with
+``sandbox: unsafe_local``, under a private network namespace and rlimits alone (what the sandbox
+promises: :mod:`.sandbox`)."""
 
 from __future__ import annotations
 
@@ -41,62 +13,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from megatron_gspo.toolbox.netns import unshare_network
+from megatron_gspo.toolbox.python_config import PythonResult, PythonToolConfig, observation_text
 
-__all__ = [
-    "PythonResult",
-    "PythonToolConfig",
-    "run_python",
-    "sandbox_problem",
-]
+__all__ = ["run_local", "sandbox_problem"]
 
 
-class PythonToolConfig(BaseModel):
-    """``rollout.multi_turn.env_kwargs.python``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["local", "http"] = "local"
-    # local: bwrap, or the old protections alone (a warning on every run).
-    sandbox: Literal["bwrap", "unsafe_local"] = "bwrap"
-    # http: the service's base URL (POST {url}/run_code), and the environment variable holding
-    # its bearer token, if it wants one.
-    url: str | None = None
-    api_key_env: str | None = None
-    timeout_s: float = Field(5.0, gt=0)
-    memory_mb: int = Field(512, ge=64)
-    file_size_mb: int = Field(16, ge=1)
-    max_processes: int = Field(32, ge=1)
-    max_output_chars: int = Field(1000, ge=1)
-    # Modules of this environment the code may import (bound read-only), e.g. [numpy, sympy].
-    packages: list[str] = []
-    # The interpreter inside the sandbox (default: /usr/bin/python3 where the trainer runs as
-    # root, which an unprivileged uid can read; else this interpreter's base).
-    interpreter: str | None = None
-
-    def model_post_init(self, _context) -> None:
-        if self.backend == "http" and not self.url:
-            raise ValueError("rollout.multi_turn.env_kwargs.python: backend http needs url")
-
-
-@dataclass(frozen=True)
-class PythonResult:
-    ok: bool
-    output: str
-    seconds: float
-
-
-def run_python(code: str, config: PythonToolConfig | None = None) -> PythonResult:
-    """Run ``code``; ``ok`` is False for a non-zero exit, a timeout, a limit, or no sandbox."""
-    config = config or PythonToolConfig()
-    if config.backend == "http":
-        from megatron_gspo.episodes.sandbox_http import run_remote
-
-        return run_remote(code, config)
+def run_local(code: str, config: PythonToolConfig) -> PythonResult:
+    """Run ``code`` on this machine: in bwrap, or, where the recipe says so, without it."""
     if config.sandbox == "unsafe_local":
         return _run(code, config, _unsafe_command, isolated=False)
     why = sandbox_problem(config)
@@ -228,8 +154,6 @@ def _preexec(config: PythonToolConfig, isolated: bool, uid: int):
 
     def apply() -> None:
         if not isolated:
-            from megatron_gspo.episodes.netns import unshare_network
-
             if unshare_network() is not None:
                 os._exit(97)
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -313,15 +237,3 @@ def _run(code: str, config: PythonToolConfig, command, isolated: bool) -> Python
     if proc.returncode < 0:
         errors += f"\nkilled by signal {-proc.returncode} (memory or CPU limit?)"
     return PythonResult(proc.returncode == 0, observation_text(text, errors, config), seconds)
-
-
-def observation_text(text: str, errors: str, config: PythonToolConfig) -> str:
-    """stdout's start and stderr's end, each at most ``max_output_chars``."""
-    n = config.max_output_chars
-    body = text if len(text) <= n else f"{text[:n]}... [{len(text) - n} chars cut]"
-    if errors.strip():
-        tail = errors.strip()
-        if len(tail) > n:
-            tail = f"[{len(tail) - n} chars cut] ...{tail[-n:]}"
-        body += ("\n" if body else "") + "stderr:\n" + tail
-    return body

@@ -1,4 +1,4 @@
-"""vLLM's RL API of a set of servers (``vllm/entrypoints/rl/online``, served with
+"""Trainer side: vLLM's RL API of a set of servers (``vllm/entrypoints/rl/online``, served with
 ``VLLM_SERVER_DEV_MODE=1``), called with the job's key.
 
 :class:`Servers` is what the weight sync and the engine speak: it fans each call out to every
@@ -18,41 +18,52 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_gspo.rollout.vllm.client import VLLMClient, VLLMRequestError
+from megatron_gspo.rollout.vllm.errors import VLLMRequestError
+from megatron_gspo.rollout.vllm.http_client import VLLMClient
+from megatron_gspo.rollout.vllm.versions import parse_version
 
-__all__ = ["PARTIAL", "PauseMode", "Servers", "parse_version"]
+__all__ = ["PauseMode", "Servers"]
 
-# The version label of a server from the moment an update starts until it completes: a
-# half-updated server is never mistaken for the version before or after.
-PARTIAL = "partial"
-# vLLM's label before any update: the checkpoint the server started with.
-STARTED_WITH = "default"
 PauseMode = str  # "abort" | "wait" | "keep"
-
-
-def parse_version(label: str | None) -> int | str | None:
-    """A server's ``/weight_info`` label as the engine compares it: the trainer's version
-    (int), None for the checkpoint it started with, or the label itself (``partial``)."""
-    if label is None or label == STARTED_WITH:
-        return None
-    return int(label) if label.isdigit() else label
 
 
 class Servers:
     """The RL routes of every server of ``client``; each call returns once all have answered
     (concurrently), raising the first failure, named by server."""
 
-    def __init__(self, client: VLLMClient, *, timeout_s: float) -> None:
+    def __init__(
+        self, client: VLLMClient, *, timeout_s: float, urls: list[str] | None = None
+    ) -> None:
         self.client, self.timeout_s = client, timeout_s
-        self.urls = list(client.urls)
+        self.urls = list(client.urls if urls is None else urls)
         # Group rank of each server's first worker (set by whoever forms a transfer group).
         self.offsets: dict[str, int] = {}
 
+    def only(self, urls: list[str]) -> Servers:
+        """The same routes for some of the servers (a sync's targets)."""
+        return Servers(self.client, timeout_s=self.timeout_s, urls=urls)
+
     def _all(self, call: Callable[[str], Any]) -> dict[str, Any]:
+        results = self.each(call)
+        for value in results.values():
+            if isinstance(value, BaseException):
+                raise value
+        return results
+
+    def each(self, call: Callable[[str], Any]) -> dict[str, Any]:
+        """``call(url)`` on every server concurrently: its result, or the exception it raised
+        (in the servers' order; nothing raised here)."""
+
+        def guarded(url: str) -> Any:
+            try:
+                return call(url)
+            except Exception as e:  # noqa: BLE001 - returned to the caller, by server
+                return e
+
         if len(self.urls) == 1:
-            return {self.urls[0]: call(self.urls[0])}
+            return {self.urls[0]: guarded(self.urls[0])}
         with ThreadPoolExecutor(len(self.urls), thread_name_prefix="vllm-rl") as pool:
-            futures = {url: pool.submit(call, url) for url in self.urls}
+            futures = {url: pool.submit(guarded, url) for url in self.urls}
             return {url: f.result() for url, f in futures.items()}
 
     def _post(self, url: str, path: str, body: dict | None = None) -> Any:
@@ -101,11 +112,14 @@ class Servers:
 
     def versions(self) -> dict[str, int | str | None]:
         """Every server's weights version (``parse_version`` of its ``/weight_info``)."""
+        return self._all(self._version)
 
-        def one(url: str):
-            return parse_version(self._get(url, "/weight_info")["weight_version"])
+    def versions_each(self) -> dict[str, object]:
+        """Every server's weights version, or the exception reading it raised."""
+        return self.each(self._version)
 
-        return self._all(one)
+    def _version(self, url: str) -> int | str | None:
+        return parse_version(self._get(url, "/weight_info")["weight_version"])
 
     def world_sizes(self) -> dict[str, int]:
         """How many workers each server has (each joins a transfer group)."""

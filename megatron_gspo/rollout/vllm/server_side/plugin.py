@@ -1,11 +1,12 @@
-"""The project's vLLM plugin (entry point group ``vllm.general_plugins``, in pyproject.toml).
+"""Inside every vLLM process: the project's vLLM plugin (entry point group
+``vllm.general_plugins``, in pyproject.toml).
 
 vLLM loads general plugins in every one of its processes (the API server, the engine core, each
 worker) before it builds the worker and its weight transfer engine, so what is registered here
 is in place wherever a server started with ``--weight-transfer-config '{"backend": ...}'`` looks
 for it:
 
-* the weight transfer engine ``gspo`` (:mod:`.engines`: buckets over gloo, or a checkpoint
+* the weight transfer engine ``gspo`` (:mod:`.transfer_engine`: buckets over gloo, or a checkpoint
   directory);
 * on vLLM's CPU build, the correction of its rotary kernel for multi-latent attention
   (:mod:`.cpu_rope`). ``MEGATRON_GSPO_CPU_ROPE_FIX=0`` leaves vLLM's kernel alone, to see
@@ -21,7 +22,7 @@ import os
 
 __all__ = ["ENGINES", "register"]
 
-ENGINES = {"gspo": ("megatron_gspo.rollout.vllm.engines", "GspoEngine")}
+ENGINES = {"gspo": ("megatron_gspo.rollout.vllm.server_side.transfer_engine", "GspoEngine")}
 ROPE_FIX_ENV = "MEGATRON_GSPO_CPU_ROPE_FIX"
 
 
@@ -33,6 +34,6 @@ def register() -> None:
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, module, cls)
     if os.environ.get(ROPE_FIX_ENV, "1") != "0":
-        from megatron_gspo.rollout.vllm.cpu_rope import fix_cpu_rotary_embedding
+        from megatron_gspo.rollout.vllm.server_side.cpu_rope import fix_cpu_rotary_embedding
 
         fix_cpu_rotary_embedding()

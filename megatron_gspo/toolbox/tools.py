@@ -6,7 +6,7 @@ call failed, and the message becomes the observation the model sees. Built-ins:
 - ``calculator(expression)``: arithmetic on numbers (``+ - * / // % **``, parentheses,
   ``sqrt``, ``abs``, ``round``, ``min``, ``max``...), parsed, never ``eval``-ed, with bounds on
   the sizes it will compute;
-- ``python(code)``: the code run by :func:`megatron_gspo.episodes.sandbox.run_python`: in a
+- ``python(code)``: the code run by :func:`megatron_gspo.toolbox.sandbox.run_python`: in a
   sandbox that sees nothing of the machine but an interpreter and a scratch directory (or on a
   remote code-execution service), with limits; its stdout (and stderr).
 
@@ -22,8 +22,9 @@ import operator
 import os
 from collections.abc import Callable
 
-from megatron_gspo.episodes.sandbox import PythonToolConfig, run_python
 from megatron_gspo.runtime.user_code import resolve
+from megatron_gspo.toolbox.python_config import PythonToolConfig
+from megatron_gspo.toolbox.sandbox import run_python
 
 __all__ = ["TOOLS", "ToolError", "calculator", "make_python_tool", "resolve_tool"]
 
@@ -106,7 +107,7 @@ def calculator(expression: str) -> str:
 
 def make_python_tool(config: PythonToolConfig | dict | None = None) -> Callable[..., str]:
     """The ``python`` tool with the recipe's sandbox and limits
-    (``rollout.multi_turn.env_kwargs.python``, :class:`~.sandbox.PythonToolConfig`)."""
+    (``rollout.multi_turn.env_kwargs.python``, :class:`~.python_config.PythonToolConfig`)."""
     if not isinstance(config, PythonToolConfig):
         config = PythonToolConfig.model_validate(config or {})
     if config.backend == "local" and config.sandbox == "unsafe_local":

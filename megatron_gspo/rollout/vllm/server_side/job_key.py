@@ -1,10 +1,10 @@
-"""An ASGI middleware that closes every route of a vLLM server but ``/health`` to callers
-without the job's key.
+"""Inside vLLM's API server: an ASGI middleware that closes every route but ``/health`` to
+callers without the job's key.
 
 vLLM's own ``--api-key`` guards only the OpenAI routes (``/v1/...``); the RL routes the weight
 sync needs (``/pause``, ``/init_weight_transfer_engine``, ``/update_weights``, ...) and the
 other development-mode routes stay open, and ``/collective_rpc`` calls any worker method. Servers
-started by :mod:`.server` load this with ``--middleware`` and take the key from
+started by :mod:`..server_command` load this with ``--middleware`` and take the key from
 ``VLLM_API_KEY`` in their environment (never the command line, which other users of a node can
 read). ``/health`` stays open for launchers' readiness checks; it reveals nothing.
 """

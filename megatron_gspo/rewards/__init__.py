@@ -1,0 +1,2 @@
+"""Rewards: the functions a recipe names, served judges and reward models, and the guard that
+runs them in workers with deadlines (:mod:`.computer`)."""
