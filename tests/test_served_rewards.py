@@ -6,7 +6,11 @@ weights); and the tiny recipe learning from the judge (slow)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,7 @@ from megatron_gspo.rewards.computer import RewardComputer
 from megatron_gspo.rewards.functions import digit_match
 from megatron_gspo.rewards.served import ServerDown, check_served, parse_score
 from tests.support.judge_server import TEMPLATE, JudgeServer
+from tests.support.pausing import paused
 from tests.support.runs import cli, loop_recipe, one_line_error, run_metrics, write_recipe
 
 
@@ -95,6 +100,43 @@ def test_a_judge_that_hangs_on_a_few_requests_costs_only_those_samples(judge):
         if not h
     ]
     assert len(graded) == 4 and all(g == pytest.approx(w) for g, w in graded), graded
+
+
+# A trainer scoring two responses with the judge at argv[1]: deadline 4 s, one request hangs.
+_STOPPED_TRAINER = """
+import json, sys
+from megatron_gspo.config import RewardConfig
+from megatron_gspo.rewards.computer import RewardComputer
+from tests.support.judge_server import TEMPLATE
+judge = {"name": "judge", "kwargs": {"url": sys.argv[1], "template": TEMPLATE}}
+rewards = RewardComputer(RewardConfig(functions=[judge], timeout_s=4.0), max_workers=1)
+got, stats = rewards(["1", "9"], ["1", "1"], ["q", "q"])
+print(json.dumps({"got": got, "failed": stats.failed, "timeouts": stats.timeouts}), flush=True)
+rewards.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_trainer_takes_the_judges_answer_that_came_while_it_was_stopped(judge):
+    """The trainer stopped (SIGSTOP of its tree, a suspended Slurm job) for twice the deadline
+    while both requests are at the judge, which answers one 1.5 s later: on resume that answer
+    is the score, not a timeout, and the hung request still times out."""
+    judge.delay_s, judge.mode, judge.hang_marker = 1.5, "hang", "9"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_TRAINER, judge.url], cwd=root,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while judge.calls < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "no request came"
+            time.sleep(0.01)
+        with paused(proc.pid):
+            time.sleep(8.0)
+        out = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out == {"got": [1.0, 0.0], "failed": [False, True], "timeouts": 1}, out
 
 
 def test_a_judge_that_is_down_at_start_up_is_named_by_validate_and_train(tmp_path):

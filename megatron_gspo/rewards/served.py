@@ -13,7 +13,8 @@ prompt and the response as a user and an assistant message, which the server ren
 model's chat template.
 
 A step's requests are in flight together from one asyncio event loop (``httpx``), at most
-``max_concurrency`` at a time; each has ``reward.timeout_s`` as its deadline; connection
+``max_concurrency`` at a time; each has ``reward.timeout_s`` as its deadline (time the trainer
+spends stopped not counted: :mod:`megatron_gspo.runtime.stops`); connection
 errors and 5xx answers are retried with backoff inside that deadline, nothing else is. A
 request that fails, is late, or whose reply holds no score fails its sample like any failed
 reward (``reward.on_error`` decides). ``url`` may be left out where ``megatron-gspo launch``
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megatron_gspo.rewards.value import reward_value
 from megatron_gspo.runtime.errors import InputError
+from megatron_gspo.runtime.stops import within
 from megatron_gspo.runtime.workers import Outcome
 
 __all__ = [
@@ -194,7 +196,7 @@ class ServedReward:
             self._in_flight += 1
             self.in_flight_max = max(self.in_flight_max, self._in_flight)
             try:
-                value = await asyncio.wait_for(self._request(http, url, item), self.timeout_s)
+                value = await within(self._request(http, url, item), self.timeout_s)
                 return Outcome("ok", value)
             except TimeoutError:
                 return Outcome("timeout", message=f"no answer from {url} in {self.timeout_s:g} s")
@@ -211,7 +213,9 @@ class ServedReward:
             if attempt:
                 await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1))
             try:
-                reply = await http.post(url + path, json=body, timeout=self.timeout_s)
+                # The deadline is _one's, which a stop of the trainer does not spend; httpx's
+                # own would expire on resume over an answer already in the socket.
+                reply = await http.post(url + path, json=body, timeout=None)
             except httpx.TransportError:
                 if attempt == RETRIES:
                     raise

@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
 from megatron_gspo.runtime.procs import exiting, kill_at_exit
+from megatron_gspo.runtime.stops import TICK_S, stopped_for
 
 __all__ = ["Outcome", "WorkerPool", "WorkerPoolError"]
 
@@ -43,9 +44,6 @@ log = logging.getLogger(__name__)
 _MAX_FAILED_STARTS = 3
 # How long a worker may take to import and build its handler.
 _START_TIMEOUT_S = 120.0
-# A dispatcher wait that returns this much past its timeout means the trainer was stopped
-# (SIGSTOP, Slurm's `scontrol suspend`, a host paused), not that a worker was slow.
-_STOPPED_S = 5.0
 
 
 class WorkerPoolError(RuntimeError):
@@ -197,6 +195,7 @@ class WorkerPool:
     # -- the dispatcher thread ---------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        self._round_end = time.monotonic()
         try:
             while not self._closed:
                 self._step()
@@ -215,7 +214,8 @@ class WorkerPool:
             for w in self._workers
             if w.job is not None or not w.ready
         ]
-        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        # Bounded to a tick while calls run, so that a stop of the trainer is seen.
+        timeout = min(TICK_S, max(0.0, min(deadlines) - now)) if deadlines else None
         waitables: list[Any] = [self._wake_r]
         for w in self._workers:
             waitables += [w.conn, w.proc.sentinel]
@@ -223,9 +223,11 @@ class WorkerPool:
             if ready is self._wake_r:
                 while self._wake_r.poll():
                     self._wake_r.recv()
-        waited = time.monotonic() - now
-        if timeout is not None and waited > timeout + _STOPPED_S:
-            self._not_counting(waited)
+        # The whole round since the last one's deadline checks, so that a stop outside the
+        # wait (while a call was being assigned, say) is seen as well as one inside it.
+        stopped = stopped_for(time.monotonic() - self._round_end, timeout or 0.0)
+        if timeout is not None and stopped:
+            self._not_counting(stopped)
         for w in list(self._workers):
             self._poll(w)
         now = time.monotonic()
@@ -245,12 +247,13 @@ class WorkerPool:
                         seconds=now - started,
                     )
                 )
+        self._round_end = time.monotonic()
 
     def _not_counting(self, seconds: float) -> None:
-        """Move every running deadline ``seconds`` later: the wait that took them could not
+        """Move every running deadline ``seconds`` later: the round that took them could not
         run, so neither could the workers it waited for (a stopped job stops every process of
         it), and a call stopped half-way is not a hung call. A call gains the stop plus at most
-        what was left of the nearest deadline when the wait began."""
+        one round's own work."""
         log.warning("%s pool: the trainer was stopped for %.0f s; deadlines moved by as much",
                     self.name, seconds)  # fmt: skip
         for w in self._workers:
