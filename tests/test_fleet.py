@@ -24,7 +24,9 @@ from megatron_gspo.rollout.vllm.fleet import (
     FleetDownError,
     Health,
 )
+from megatron_gspo.rollout.vllm.http_client import VLLMClient
 from megatron_gspo.rollout.vllm.pace import Pace, predicted
+from tests.support.json_http import JsonHandler, LocalServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,6 +86,59 @@ def test_a_server_that_stops_answering_is_suspect_then_dead_then_back_through_st
         "fleet_rejoins": 1.0,
     }
     assert fleet.take_metrics()["fleet_servers_serving_min"] == 3.0, "the next step's counts"
+
+
+def test_a_server_whose_engine_is_in_a_long_step_is_alive_and_keeps_its_state():
+    """``/health`` answers and ``/weight_info`` (the engine's loop) does not by the deadline:
+    a first generation compiling a kernel on every server at once (CI saw all three declared
+    dead at step 1, and the run exit 75). Not a failure however long it lasts; a suspect
+    server stays out of rotation until its version is known."""
+    fleet, probes, clock = _fleet()
+    probes.answers["http://a"] = Health(200, busy=True)
+    for t in (0.0, 5.0, 30.0):
+        clock.now = t
+        fleet.probe_all()
+        assert fleet.state("http://a") == SERVING
+    probes.answers["http://b"] = Health(None)
+    fleet.probe_all()
+    assert fleet.state("http://b") == SUSPECT
+    probes.answers["http://b"] = Health(200, busy=True)
+    clock.now = 45.0
+    fleet.probe_all()
+    assert fleet.state("http://b") == SUSPECT and "http://b" not in fleet.serving()
+    probes.answers["http://b"] = Health(None)
+    clock.now = 46.0
+    fleet.probe_all()
+    assert fleet.state("http://b") == SUSPECT, "dead on failures a busy answer had ended"
+    probes.answers["http://b"] = Health(200, 1)
+    fleet.probe_all()
+    assert fleet.state("http://b") == SERVING
+
+
+def test_a_probe_tells_a_busy_engine_from_a_dead_server():
+    """VLLMClient.health against a real HTTP server: ``/weight_info`` late is busy, not down;
+    a refused connection is no answer."""
+    delay = {"s": 0.0}
+
+    class Handler(JsonHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/health":
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            time.sleep(delay["s"])
+            self.send_json(200, {"weight_version": "7"})
+
+    server = LocalServer(Handler)
+    client = VLLMClient([server.root])
+    try:
+        assert client.health(server.root, 1.0) == Health(200, 7)
+        delay["s"] = 2.0
+        assert client.health(server.root, 0.5) == Health(200, busy=True)
+    finally:
+        server.close()
+    assert client.health(server.root, 0.5) == Health(None)
 
 
 def test_a_hung_server_that_wakes_after_a_sync_it_missed_is_stale_until_the_next():

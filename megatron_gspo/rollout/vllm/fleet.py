@@ -7,7 +7,8 @@ States (docs/operations.md, "The rollout fleet"):
     answers its probe and holds the trainer's current weights: it gets requests;
 ``suspect``
     a request to it failed at the transport, or a probe went unanswered: no new requests; back
-    to ``serving`` as soon as a probe answers with the current version;
+    to ``serving`` as soon as a probe answers with the current version (a server whose engine
+    is in a long step answers ``/health`` but not yet ``/weight_info``: alive, state unchanged);
 ``dead``
     unanswered for ``rollout.vllm.health_timeout_s``: the requests it held are resubmitted to
     serving servers (the clients watch for it);
@@ -72,10 +73,12 @@ FULL_WAIT_S = 0.005
 class Health:
     """One probe's answer: ``status`` the HTTP status of ``/health`` (None: no answer, the
     connection refused or the deadline passed), ``version`` what ``/weight_info`` says (read
-    only when healthy)."""
+    only when healthy). ``busy``: healthy, but ``/weight_info``, which waits for the engine's
+    next step, was not answered by the deadline; the version is unknown."""
 
     status: int | None
     version: object = None
+    busy: bool = False
 
     @property
     def ok(self) -> bool:
@@ -189,6 +192,11 @@ class Fleet:
         now = self.clock()
         with self._lock:
             s = self.servers[url]
+            if health.ok and health.busy:
+                # Alive, its engine in a long step: not failing however long that lasts (a
+                # request's own deadline bounds it), and no state left for want of a version.
+                s.failing_since = None
+                return
             if health.ok:
                 s.version = health.version
                 if self.syncing and s.state in (SERVING, STALE):
