@@ -7,8 +7,8 @@ States (docs/operations.md, "The rollout fleet"):
     answers its probe and holds the trainer's current weights: it gets requests;
 ``suspect``
     a request to it failed at the transport, or a probe went unanswered: no new requests; back
-    to ``serving`` as soon as a probe answers with the current version (a server whose engine
-    is in a long step answers ``/health`` but not yet ``/weight_info``: alive, state unchanged);
+    to ``serving`` as soon as a probe answers with the current version (a ``busy`` answer,
+    :class:`Health`, changes no state);
 ``dead``
     unanswered for ``rollout.vllm.health_timeout_s``: the requests it held are resubmitted to
     serving servers (the clients watch for it);
@@ -20,15 +20,15 @@ States (docs/operations.md, "The rollout fleet"):
     from a hang after a sync it missed, or a sync left it half-updated): no requests until a
     sync has brought it to the current version and ``/weight_info`` says so.
 
-A request goes to the serving server on which it would take the least time per token, by
-each server's pace and the load it was measured at (:mod:`.pace`; ties: the one chosen longest
-ago): a slow server is given a request only once the fast ones are loaded past the point where
-they would be slower, where counts alone split a batch evenly and the step waits for the slow
-server. One not measured lately counts as the fastest would at the same load. No
-server holds more than ``max_seqs`` (vLLM's ``--max-num-seqs``); the rest wait here. A
-session (an episode's turns) stays on its server while that serves, for its prefix cache. The
-fleet sends nothing itself: probes come from the caller (:class:`Probe`, a function of a URL
-and a deadline), from a monitor thread while one runs.
+A request goes to the serving server on which it would take the least time per token, by each
+server's pace and the load it was measured at (:mod:`.pace`; ties: the one chosen longest ago):
+a slow server is given a request only once the fast ones are loaded past the point where they
+would be slower, where counts alone split a batch evenly and the step waits for the slow
+server. One not measured lately counts as the fastest would at the same load. No server holds
+more than ``max_seqs`` (vLLM's ``--max-num-seqs``); the rest wait here. A session (an episode's
+turns) stays on its server while that serves, for its prefix cache. The fleet sends nothing
+itself: probes come from the caller (:class:`Probe`, a function of a URL and a deadline), from
+a monitor thread while one runs.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ FULL_WAIT_S = 0.005
 class Health:
     """One probe's answer: ``status`` the HTTP status of ``/health`` (None: no answer, the
     connection refused or the deadline passed), ``version`` what ``/weight_info`` says (read
-    only when healthy). ``busy``: healthy, but ``/weight_info``, which waits for the engine's
-    next step, was not answered by the deadline; the version is unknown."""
+    only when healthy), or ``busy`` where that waited past the deadline for the engine."""
 
     status: int | None
     version: object = None
@@ -192,27 +191,22 @@ class Fleet:
         now = self.clock()
         with self._lock:
             s = self.servers[url]
-            if health.ok and health.busy:
-                # Alive, its engine in a long step: not failing however long that lasts (a
-                # request's own deadline bounds it), and no state left for want of a version.
+            if health.ok and health.busy:  # alive: a request's own deadline bounds the step
                 s.failing_since = None
-                return
-            if health.ok:
+            elif health.ok:
                 s.version = health.version
                 if self.syncing and s.state in (SERVING, STALE):
                     return  # mid-sync labels say nothing: the sync's outcome decides
-                if s.state in (DEAD, RESTARTING, SUSPECT, STALE, SERVING):
-                    # Before the first sync every server serves what it started with (None).
-                    if health.version == self.version:
-                        self._set(s, SERVING)
-                    else:
-                        held = f"holds version {health.version!r}, not {self.version!r}"
-                        self._set(s, STALE, held)
-                return
-            self._failing(s, now, "no answer" if health.status is None else f"HTTP {health.status}")
-            if s.state == DEAD and health.status is not None:
-                # Its port answers: the supervisor started it again; vLLM is not ready yet.
-                self._set(s, RESTARTING, f"/health answers HTTP {health.status}")
+                # Before the first sync every server serves what it started with (None).
+                if health.version == self.version:
+                    self._set(s, SERVING)
+                else:
+                    self._set(s, STALE, f"holds version {health.version!r}, not {self.version!r}")
+            else:
+                self._failing(s, now, f"HTTP {health.status}" if health.status else "no answer")
+                if s.state == DEAD and health.status is not None:
+                    # Its port answers: the supervisor started it again; vLLM is not ready yet.
+                    self._set(s, RESTARTING, f"/health answers HTTP {health.status}")
 
     def report_failure(self, url: str, why: str) -> None:
         """A request to ``url`` failed at the transport (refused, reset, a 5xx answer): no new

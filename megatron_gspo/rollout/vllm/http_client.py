@@ -232,8 +232,7 @@ class VLLMClient:
             status, raw = _http("GET", f"{url}/weight_info", None, deadline_s, self.api_key)
             label = json.loads(raw)["weight_version"] if status == 200 else None
         except OSError as e:
-            # /health is the API server's own answer; /weight_info waits for the engine's loop,
-            # which one long step holds (a kernel compiled on first use, a long prefill).
+            # It waits for the engine's loop, which a long step holds; /health said alive.
             return Health(200, busy=True) if _is_timeout(e) else Health(None)
         except (ValueError, KeyError, TypeError):
             return Health(None)
