@@ -237,7 +237,7 @@ def test_a_slower_server_is_given_less_of_each_batch_once_its_pace_is_known():
 
             async def request(url, n, served=served):
                 served[url] += 1
-                await asyncio.sleep(n * (0.03 if url == "http://c" else 0.01))
+                await asyncio.sleep(n * (0.06 if url == "http://c" else 0.02))
                 return n
 
             await asyncio.gather(
