@@ -66,7 +66,7 @@ from megatron_gspo.rollout.vllm.errors import (
     VLLMUnavailableError,
 )
 from megatron_gspo.rollout.vllm.fleet import Fleet, Health
-from megatron_gspo.rollout.vllm.in_flight import complete_versioned
+from megatron_gspo.rollout.vllm.in_flight import complete_versioned, sampling_fields
 from megatron_gspo.rollout.vllm.versions import parse_version
 from megatron_gspo.runtime.errors import InputError
 from megatron_gspo.runtime.seeds import request_seed
@@ -249,15 +249,7 @@ class VLLMClient:
         """The ``/v1/completions`` request for ``group_size`` samples of one prompt."""
         body: dict[str, Any] = {
             "prompt": prompt,
-            "n": params.group_size,
-            "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": seed,
-            "stop_token_ids": list(params.stop_token_ids),
-            "min_tokens": params.min_new_tokens,
-            "ignore_eos": True,
-            "logprobs": 0,
+            **sampling_fields(params, seed),
             "return_token_ids": True,
         }
         if self.model is not None:

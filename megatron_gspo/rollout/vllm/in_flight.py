@@ -36,9 +36,25 @@ from megatron_gspo.rollout.vllm.errors import VLLMRequestError
 from megatron_gspo.rollout.vllm.versions import parse_version
 from megatron_gspo.runtime.seeds import resubmit_seed
 
-__all__ = ["complete_versioned", "generate_body", "parse_choice"]
+__all__ = ["complete_versioned", "generate_body", "parse_choice", "sampling_fields"]
 
 ROUTE = "/inference/v1/generate"
+
+
+def sampling_fields(params: SamplingParams, seed: int) -> dict[str, Any]:
+    """vLLM's sampling fields for ``params``, the same on both routes (``/v1/completions``
+    and this one), so that a request samples alike whichever it takes."""
+    return {
+        "n": params.group_size,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "seed": seed,
+        "stop_token_ids": list(params.stop_token_ids),
+        "min_tokens": params.min_new_tokens,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
 
 
 def generate_body(
@@ -55,18 +71,10 @@ def generate_body(
     weights' blocks cached, and a later request (an episode's next turn, the next batch's
     prompts) would otherwise read its prefix from them; only the frozen requests keep their
     own old cache."""
-    sampling = {
-        "n": params.group_size,
-        "max_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "seed": seed,
-        "stop_token_ids": list(params.stop_token_ids),
-        "min_tokens": params.min_new_tokens,
-        "ignore_eos": True,
-        "logprobs": 0,
+    body: dict[str, Any] = {
+        "token_ids": list(prompt),
+        "sampling_params": sampling_fields(params, seed),
     }
-    body: dict[str, Any] = {"token_ids": list(prompt), "sampling_params": sampling}
     if version is not None:
         body["cache_salt"] = f"weights-{version}"
     if model is not None:
