@@ -154,6 +154,16 @@ def _records(run: Path) -> list[dict]:
     return out
 
 
+def _finished(proc: subprocess.Popen, run: Path, log: Path, steps: int) -> list[dict]:
+    """The run's records, once it has exited 0 with each of its ``steps`` steps logged and no
+    sample lost."""
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    records = run_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert_no_sample_lost(records)
+    return records
+
+
 def _pause_until_restarted(
     fleet: ServeTool, url: str, starts: int, proc, run: Path, log: Path
 ) -> None:
@@ -202,10 +212,7 @@ def test_a_server_killed_at_step_10_of_30_is_restarted_and_rejoins_and_the_run_g
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, (tmp_path / "train.log").read_text()[-4000:]
-    records = run_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, 31))
-    assert_no_sample_lost(records)
+    records = _finished(proc, run, tmp_path / "train.log", 30)
     serving = [r["fleet_servers_serving"] for r in records]
     fewest = [r["fleet_servers_serving_min"] for r in records]
     print(f"servers serving by step: {serving}, fewest during it: {fewest}")
@@ -263,10 +270,7 @@ def test_a_server_killed_in_a_sync_and_one_hung_past_a_sync_cost_no_sample(fleet
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, (tmp_path / "train.log").read_text()[-4000:]
-    records = run_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, 17))
-    assert_no_sample_lost(records)
+    records = _finished(proc, run, tmp_path / "train.log", 16)
     assert sum(r["fleet_rejoins"] for r in records) >= 2, [r["fleet_rejoins"] for r in records]
     assert sum(r["fleet_failovers"] for r in records) >= 1
     assert max(r["rollout_sampler_kl"] for r in records) < 1e-3
