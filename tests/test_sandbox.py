@@ -23,6 +23,7 @@ import pytest
 from megatron_gspo.toolbox.bwrap import sandbox_problem
 from megatron_gspo.toolbox.python_config import PythonToolConfig
 from megatron_gspo.toolbox.tools import ToolError, make_python_tool
+from tests.support.pausing import paused
 from tests.support.runs import ROOT
 from tests.support.sandbox_server import SandboxServer
 
@@ -212,6 +213,33 @@ def test_bombs_and_stubborn_processes_end_as_an_error_within_the_deadline(python
     assert time.monotonic() - start < 5 + 12, "the call outlived its deadline"
     # The machine is fine afterwards.
     assert python(code="print('alive')") == "alive"
+
+
+# A trainer running the tool once: 3 s of work under a 5 s deadline.
+_STOPPED_TRAINER = """
+from megatron_gspo.toolbox.tools import make_python_tool
+python = make_python_tool({"timeout_s": 5, "memory_mb": 256})
+print("calling", flush=True)
+print(python(code="import time; time.sleep(3); print('done')").strip(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_code_stopped_with_the_trainer_is_not_timed_out_for_the_stop():
+    """The trainer and the sandboxed code stopped together (a suspended Slurm job) for 8 s, a
+    second into 3 s of work under a 5 s deadline: the code finishes on resume."""
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_TRAINER], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "calling"
+        time.sleep(1.0)
+        with paused(proc.pid):
+            time.sleep(8.0)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.strip() == "done", (out, err[-2000:])
 
 
 def test_an_output_flood_is_cut_and_costs_nothing(python):

@@ -12,11 +12,12 @@ every stop, and :func:`stopped_for` tells such a stop from a busy interpreter's 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["STOPPED_S", "TICK_S", "stopped_for", "within"]
+__all__ = ["STOPPED_S", "TICK_S", "stopped_for", "wait_process", "within"]
 
 T = TypeVar("T")
 
@@ -56,3 +57,20 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
+
+
+def wait_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """``proc.wait(timeout_s)``, its ``timeout_s`` counted in the time this process ran: a
+    child stopped with it is not timed out for the stop. Raises
+    :class:`subprocess.TimeoutExpired` when it is spent, as ``wait`` does."""
+    left = timeout_s
+    while True:
+        bound = min(TICK_S, left)
+        start = time.monotonic()
+        try:
+            return proc.wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - start
+            left -= elapsed - stopped_for(elapsed, bound)
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s) from None

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_gspo.runtime.stops import wait_process
 from megatron_gspo.toolbox.netns import unshare_network
 from megatron_gspo.toolbox.python_config import PythonResult, PythonToolConfig, observation_text
 
@@ -222,7 +223,7 @@ def _run(code: str, config: PythonToolConfig, command, isolated: bool) -> Python
         out = _Capped(proc.stdout, limit, keep_end=False)
         err = _Capped(proc.stderr, limit, keep_end=True)
         try:
-            proc.wait(timeout=config.timeout_s)
+            wait_process(proc, config.timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
